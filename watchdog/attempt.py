@@ -1,0 +1,150 @@
+"""One launch of a job: its argv and environment, its process, its output.
+
+The job gets its own session (so its process group id is its pid), the
+environment of DESIGN.md, and pipes for stdout and stderr that the supervisor
+copies into a per-attempt log file in ``state_dir`` (and through to our own
+stdout and stderr in ``trainwatch run``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import BinaryIO
+
+from trainwatch.config import Job
+from trainwatch.tree import JobTree
+
+_CHUNK = 65536
+
+
+def job_env(
+    job: Job, socket: str, attempt: int, resume_from: str | None, base: Mapping[str, str]
+) -> dict[str, str]:
+    env = dict(base)
+    env.update(job.env)
+    env["TRAINWATCH_SOCKET"] = socket
+    env["TRAINWATCH_JOB"] = job.name
+    env["TRAINWATCH_ATTEMPT"] = str(attempt)
+    # A value inherited from our own environment must not leak into a fresh start.
+    env.pop("TRAINWATCH_RESUME_FROM", None)
+    env.pop("TRAINWATCH_SKIP_STEPS", None)
+    if resume_from is not None:
+        env["TRAINWATCH_RESUME_FROM"] = resume_from
+    return env
+
+
+def job_argv(job: Job, resume_from: str | None) -> list[str]:
+    argv = list(job.command)
+    if resume_from is not None:
+        argv += [a.replace("{checkpoint}", resume_from) for a in job.resume_args]
+    return argv
+
+
+class Attempt:
+    """A running (or finished) attempt. Owns the Popen, the pidfd and the log."""
+
+    def __init__(
+        self,
+        job: Job,
+        number: int,
+        socket: str,
+        resume_from: str | None,
+        resumed_step: int | None,
+        log_dir: Path,
+        passthrough: bool,
+    ) -> None:
+        self.job = job
+        self.number = number
+        self.resume_from = resume_from
+        self.resumed_step = resumed_step
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"attempt-{number}-{int(time.time())}.log"
+        self.log: BinaryIO = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
+        self.passthrough = passthrough
+        self.proc = subprocess.Popen(
+            job_argv(job, resume_from),
+            env=job_env(job, socket, number, resume_from, os.environ),
+            cwd=job.workdir,
+            user=job.user,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+        )
+        self.started = time.monotonic()
+        self.started_wall = time.time()
+        self.pid = self.proc.pid
+        self.tree = JobTree(job.name, self.pid)
+        self.pidfd: int | None = None
+        with contextlib.suppress(OSError, AttributeError):
+            self.pidfd = os.pidfd_open(self.pid)
+        self.returncode: int | None = None
+        self.exited_at: float | None = None
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.pipes: dict[int, int] = {self.proc.stdout.fileno(): 1, self.proc.stderr.fileno(): 2}
+        for fd in self.pipes:
+            os.set_blocking(fd, False)
+
+    def pump(self, fd: int) -> bool:
+        """Copy what is waiting on one output pipe; False at end of file."""
+        try:
+            data = os.read(fd, _CHUNK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            return False
+        self.log.write(data)
+        self.log.flush()
+        if self.passthrough:
+            with contextlib.suppress(OSError):
+                os.write(self.pipes[fd], data)
+        return True
+
+    def _drain(self, fd: int) -> None:
+        while True:
+            try:
+                data = os.read(fd, _CHUNK)
+            except OSError:
+                return
+            if not data:
+                return
+            self.log.write(data)
+            if self.passthrough:
+                with contextlib.suppress(OSError):
+                    os.write(self.pipes[fd], data)
+
+    def poll_exit(self) -> int | None:
+        """Reap the leader if it has exited; its returncode (negative: signal)."""
+        if self.returncode is not None:
+            return self.returncode
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 0  # reaped elsewhere: nothing more to learn
+        if pid == 0:
+            return None
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self.exited_at = time.monotonic()
+        self.proc.returncode = self.returncode  # keep Popen consistent; we reaped it
+        return self.returncode
+
+    def close(self) -> None:
+        for fd in list(self.pipes):
+            self._drain(fd)  # whatever is still buffered goes to the log first
+        if self.proc.stdout:
+            self.proc.stdout.close()
+        if self.proc.stderr:
+            self.proc.stderr.close()
+        self.pipes.clear()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.log.close()

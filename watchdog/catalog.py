@@ -1,0 +1,162 @@
+"""The checkpoint catalog: which checkpoints exist, which are complete and
+valid, and which is the last good one (before a given step).
+
+Generic layout: entries (files or directories) under ``checkpoints.dir`` whose
+names match ``pattern`` with one ``{step}``. An entry is complete when the job
+reported it with ``client.checkpoint()``, or its completion marker exists, or
+(if ``quiet_for`` is set) nothing in it changed for that long. A checkpoint
+from which the job dies before its first heartbeat ``bad_after`` times in a
+row is marked bad and passed over. The catalog never deletes or writes a
+checkpoint; its own state is one JSON file written atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from trainwatch import atomic
+from trainwatch.config import Checkpoints
+
+
+@dataclass(frozen=True)
+class Entry:
+    step: int
+    path: str
+    complete: bool
+    bad: bool
+    why: str  # how completeness was established, or why it is not usable
+
+    @property
+    def good(self) -> bool:
+        return self.complete and not self.bad
+
+
+def _newest_mtime(path: Path) -> float:
+    try:
+        newest = path.stat().st_mtime
+    except OSError:
+        return time.time()
+    if path.is_dir():
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                try:
+                    newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
+                except OSError:
+                    continue  # removed while we looked: treat as changing
+    return newest
+
+
+def _nonempty(path: Path) -> bool:
+    try:
+        if path.is_dir():
+            return any(path.iterdir())
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+class Catalog:
+    def __init__(
+        self,
+        spec: Checkpoints,
+        state_file: str | os.PathLike[str],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        # Absolute, so that the path handed to the job means the same from its workdir.
+        self.spec = replace(spec, dir=os.path.abspath(spec.dir) if spec.dir else None)
+        self.state_file = Path(state_file)
+        self.clock = clock
+        head, _, tail = spec.pattern.partition("{step}")
+        self._regex = re.compile(rf"^{re.escape(head)}(\d+){re.escape(tail)}$")
+        state = atomic.read_json(self.state_file) or {}
+        self.reported: dict[int, str] = {int(k): v for k, v in state.get("reported", {}).items()}
+        self.bad: dict[int, str] = {int(k): v for k, v in state.get("bad", {}).items()}
+        self.failed_starts: dict[int, int] = {
+            int(k): int(v) for k, v in state.get("failed_starts", {}).items()
+        }
+
+    def _save(self) -> None:
+        atomic.write_json(
+            self.state_file,
+            {"reported": self.reported, "bad": self.bad, "failed_starts": self.failed_starts},
+        )
+
+    def step_of(self, path: str) -> int | None:
+        m = self._regex.match(os.path.basename(os.path.normpath(path)))
+        return int(m.group(1)) if m else None
+
+    def entries(self) -> list[Entry]:
+        """Every checkpoint on disk, oldest first, with its verdict."""
+        found: dict[int, Path] = {}
+        if self.spec.dir is not None:
+            try:
+                names = os.listdir(self.spec.dir)
+            except OSError:
+                names = []
+            for name in names:
+                m = self._regex.match(name)
+                if m:
+                    found[int(m.group(1))] = Path(self.spec.dir, name)
+        for step, path in self.reported.items():
+            if step not in found and os.path.exists(path):
+                found[step] = Path(path)
+        now = self.clock()
+        out = []
+        for step in sorted(found):
+            path = found[step]
+            complete, why = self._complete(step, path, now)
+            bad = step in self.bad
+            if bad:
+                why = f"bad: {self.bad[step]}"
+            elif complete and not _nonempty(path):
+                complete, why = False, "empty"
+            out.append(Entry(step, str(path), complete, bad, why))
+        return out
+
+    def _complete(self, step: int, path: Path, now: float) -> tuple[bool, str]:
+        if step in self.reported:
+            return True, "reported by the job"
+        marker = self.spec.marker
+        if marker is not None:
+            where = path / marker if path.is_dir() else Path(f"{path}{marker}")
+            if where.exists():
+                return True, f"marker {where.name}"
+        quiet = self.spec.quiet_for
+        if quiet is not None and now - _newest_mtime(path) >= quiet:
+            return True, f"unchanged for {quiet:g}s"
+        return False, "incomplete"
+
+    def last_good(self, before_step: int | None = None) -> Entry | None:
+        """The newest good checkpoint, strictly before ``before_step`` if given."""
+        for e in reversed(self.entries()):
+            if e.good and (before_step is None or e.step < before_step):
+                return e
+        return None
+
+    # --- what the supervisor tells us ---------------------------------------
+
+    def report(self, step: int, path: str) -> None:
+        """The job said this checkpoint is complete."""
+        if self.reported.get(step) != path:
+            self.reported[step] = path
+            self._save()
+
+    def start_failed(self, step: int) -> bool:
+        """The job died before its first beat after resuming from ``step``.
+        Returns True when that makes the checkpoint bad."""
+        n = self.failed_starts.get(step, 0) + 1
+        self.failed_starts[step] = n
+        newly_bad = n >= self.spec.bad_after and step not in self.bad
+        if newly_bad:
+            self.bad[step] = f"the job died before its first heartbeat {n} times in a row"
+        self._save()
+        return newly_bad
+
+    def start_succeeded(self, step: int) -> None:
+        if self.failed_starts.pop(step, None) is not None:
+            self._save()

@@ -1,0 +1,244 @@
+"""The ``trainwatch`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any, NoReturn
+
+from trainwatch import __version__
+from trainwatch.config import (
+    MAX_SOCKET_PATH,
+    ConfigError,
+    Job,
+    from_mapping,
+    load,
+    parse_duration,
+    socket_path,
+)
+from trainwatch.ledger import Ledger
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block.
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def _duration(text: str) -> float:
+    try:
+        d = parse_duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a duration such as 30s, 5m or 24h, got {text!r}"
+        ) from None
+    if d <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive duration, got {text!r}")
+    return d
+
+
+def _natural(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
+def _setup_logging(quiet: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO,
+        format="%(asctime)s trainwatch: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
+    """The config and the one job that ``trainwatch run`` supervises."""
+    if args.config:
+        config = load(args.config)
+        job = config.job(args.name)
+        if args.command:
+            job = replace(job, command=tuple(args.command))
+    else:
+        if not args.command:
+            raise ConfigError("trainwatch run: expected a command after --, got nothing")
+        config = from_mapping(
+            {"jobs": [{"name": args.name or "job", "command": list(args.command)}]},
+            "<flags>",
+        )
+        job = config.jobs[0]
+    hb = job.heartbeat
+    if args.heartbeat_timeout is not None:
+        hb = replace(hb, timeout=args.heartbeat_timeout)
+    if args.startup_timeout is not None:
+        hb = replace(hb, startup_timeout=args.startup_timeout)
+    cp = job.checkpoints
+    if args.checkpoint_dir is not None:
+        cp = replace(cp, dir=args.checkpoint_dir)
+    if args.checkpoint_pattern is not None:
+        if args.checkpoint_pattern.count("{step}") != 1 or "/" in args.checkpoint_pattern:
+            raise ConfigError(
+                "--checkpoint-pattern: expected a file name pattern with one {step} and no '/',"
+                f" got {args.checkpoint_pattern!r}"
+            )
+        cp = replace(cp, pattern=args.checkpoint_pattern)
+    if args.resume_arg:
+        if not any("{checkpoint}" in a for a in args.resume_arg):
+            raise ConfigError("--resume-arg: expected an argument containing {checkpoint}")
+        job = replace(job, resume_args=tuple(args.resume_arg))
+    job = replace(job, heartbeat=hb, checkpoints=cp)
+    policies = dict(config.policies)
+    if args.max_restarts is not None:
+        policies[job.policy] = replace(policies[job.policy], max_restarts=args.max_restarts)
+    config = replace(
+        config,
+        jobs=(job,),
+        policies=policies,
+        state_dir=args.state_dir or config.state_dir,
+        run_dir=args.run_dir or config.run_dir,
+        observe_only=config.observe_only or args.observe_only,
+    )
+    if len(socket_path(config.run_dir, job.name)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"--run-dir: expected a path short enough for a socket, got {config.run_dir!r}")
+    return config, job
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from trainwatch.supervisor import Supervisor
+
+    config, _job = _run_config(args)
+    _setup_logging(args.quiet)
+    return Supervisor(config, passthrough=not args.no_passthrough).run()
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    config = load(args.file)
+    names = ", ".join(j.name for j in config.jobs)
+    print(f"{args.file}: ok ({len(config.jobs)} job(s): {names})")
+    return 0
+
+
+def _fmt(x: Any, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3f}{unit}"
+    return f"{x}{unit}"
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    state_dir = args.state_dir
+    if state_dir is None:
+        state_dir = load(args.config).state_dir if args.config else _default_state_dir()
+    try:
+        ledger = Ledger(state_dir, readonly=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{state_dir}: no ledger here (expected {state_dir}/ledger.db)") from None
+    rows = ledger.incidents(args.job)
+    ledger.close()
+    if args.json:
+        json.dump(rows, sys.stdout, indent=1)
+        print()
+        return 0
+    if not rows:
+        print("no incidents")
+        return 0
+    head = ("id", "time", "job", "kind", "rank", "action", "attempt", "detect", "relaunch",
+            "resumed", "lost")  # fmt: skip
+    table = [head]
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"]))
+        action = r["action"] + (" (observed)" if r["observe_only"] else "")
+        table.append((
+            str(r["id"]), when, r["job"], r["kind"], _fmt(r["rank"]), action, str(r["attempt"]),
+            _fmt(r["detection_latency_s"], "s"), _fmt(r["time_to_relaunch_s"], "s"),
+            _fmt(r["resumed_step"]), _fmt(r["steps_lost"]),
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for row in table:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _default_state_dir() -> str:
+    from trainwatch.config import default_dirs
+
+    return default_dirs()[0]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from trainwatch.demo.drill import run_demo
+
+    return run_demo(seed=args.seed, keep=args.keep)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="trainwatch", description="A self-healing watchdog for GPU training runs.")
+    p.add_argument("--version", action="version", version=f"trainwatch {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    d = sub.add_parser("demo", help="a drill on a bundled trainer: faults detected and recovered")
+    d.add_argument("--seed", type=int, default=7, help="where the faults land (default 7)")
+    d.add_argument("--keep", action="store_true", help="keep the demo's temp dir")
+    d.set_defaults(fn=cmd_demo)
+
+    r = sub.add_parser("run", help="supervise one job in the foreground",
+                       usage="trainwatch run [OPTIONS] -- CMD ...")  # fmt: skip
+    r.add_argument("--config", help="a YAML config (see config/trainwatch.yaml)")
+    r.add_argument("--name", help="the job's name (with --config: which job)")
+    r.add_argument("--state-dir", help="ledger, logs and state")
+    r.add_argument("--run-dir", help="where the heartbeat socket lives")
+    r.add_argument("--checkpoint-dir", help="where the job writes checkpoints")
+    r.add_argument("--checkpoint-pattern", help="checkpoint names, e.g. 'step_{step}' (default)")
+    r.add_argument("--resume-arg", action="append", metavar="ARG",
+                   help="appended when resuming; repeat; e.g. --resume-arg=--resume "
+                        "--resume-arg={checkpoint}")  # fmt: skip
+    r.add_argument("--heartbeat-timeout", type=_duration, help="e.g. 5m (default 5m)")
+    r.add_argument("--startup-timeout", type=_duration, help="until the first beat (default off)")
+    r.add_argument("--max-restarts", type=_natural, help="within the window (default 10 in 24h)")
+    r.add_argument("--observe-only", action="store_true", help="record, never signal the job")
+    r.add_argument("--no-passthrough", action="store_true", help="only log the job's output")
+    r.add_argument("-q", "--quiet", action="store_true", help="only warnings from trainwatch")
+    r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
+    r.set_defaults(fn=cmd_run)
+
+    c = sub.add_parser("check-config", help="validate a config file")
+    c.add_argument("file")
+    c.set_defaults(fn=cmd_check_config)
+
+    i = sub.add_parser("incidents", help="list recorded incidents")
+    i.add_argument("--state-dir")
+    i.add_argument("--config")
+    i.add_argument("--job")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_incidents)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) and args.command[0] == "--":
+        args.command = args.command[1:]
+    try:
+        return int(args.fn(args))
+    except ConfigError as e:
+        print(f"trainwatch: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:
+        print(f"trainwatch: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

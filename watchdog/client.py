@@ -1,0 +1,185 @@
+"""The training side: heartbeats and checkpoint reports to the trainwatch daemon.
+
+Standard library only, and importing it pulls in nothing else of trainwatch.
+Nothing here blocks the training loop or raises into it: with no daemon, a
+full queue or a daemon that is restarting, a beat is dropped (the next one
+supersedes it). A checkpoint report is retried briefly, because a lost one
+costs more; the daemon's catalog also finds checkpoints on disk.
+
+    from trainwatch import client
+    hb = client.connect()
+    for step in ...:
+        hb.beat(step, loss=loss, grad_norm=gn)
+    hb.checkpoint(step, path)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+
+__all__ = ["Heartbeat", "NullHeartbeat", "connect", "resume_from", "skip_steps"]
+
+# A reconnect after a failed send is tried at most this often, so that a
+# missing daemon costs a failed syscall per beat at worst, not a connect().
+_RECONNECT_EVERY = 1.0
+_CHECKPOINT_RETRY_FOR = 0.2
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "null"
+    x = float(x)
+    # JSON has no NaN or Infinity; send them as strings the daemon understands.
+    return repr(x) if math.isfinite(x) else f'"{x}"'
+
+
+class Heartbeat:
+    """A connected heartbeat sender. Cheap to call every step."""
+
+    __slots__ = ("_head", "_last_try", "_path", "_sock", "dropped", "rank")
+
+    def __init__(self, path: str, rank: int = 0) -> None:
+        self._path = path
+        self.rank = rank
+        self.dropped = 0
+        self._sock: socket.socket | None = None
+        self._last_try = 0.0
+        self._head = '{"v":1,"k":"beat","rank":%d,"step":' % rank
+        self._connect()
+
+    def _connect(self) -> None:
+        self._last_try = time.monotonic()
+        try:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            s.setblocking(False)
+            s.connect(self._path)
+        except OSError:
+            self._sock = None
+            return
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = s
+
+    def _send(self, data: bytes) -> bool:
+        s = self._sock
+        if s is not None:
+            try:
+                s.send(data)
+                return True
+            except BlockingIOError:
+                self.dropped += 1  # queue full: the next beat supersedes this one
+                return False
+            except OSError:
+                pass  # the daemon went away or restarted: reconnect below
+        self.dropped += 1
+        if time.monotonic() - self._last_try >= _RECONNECT_EVERY:
+            self._connect()
+        return False
+
+    def beat(
+        self,
+        step: int,
+        loss: float | None = None,
+        grad_norm: float | None = None,
+        rank: int | None = None,
+    ) -> None:
+        """Report that ``step`` finished. Never blocks, never raises."""
+        try:
+            head = self._head if rank is None else '{"v":1,"k":"beat","rank":%d,"step":' % rank
+            if loss is None and grad_norm is None:
+                msg = "%s%d}" % (head, step)
+            else:
+                msg = f'{head}{int(step)},"loss":{_num(loss)},"grad_norm":{_num(grad_norm)}}}'
+            self._send(msg.encode())
+        except Exception:  # noqa: BLE001 - never raise into the training loop
+            self.dropped += 1
+
+    def checkpoint(self, step: int, path: str | os.PathLike[str], rank: int | None = None) -> bool:
+        """Report that the checkpoint at ``path`` is complete. Retries briefly;
+        returns whether the report was sent. Never raises."""
+        try:
+            body = {"v": 1, "k": "ckpt", "rank": self.rank if rank is None else rank,
+                    "step": int(step), "path": os.path.abspath(os.fspath(path))}  # fmt: skip
+            data = json.dumps(body, separators=(",", ":")).encode()
+        except Exception:  # noqa: BLE001
+            return False
+        deadline = time.monotonic() + _CHECKPOINT_RETRY_FOR
+        while True:
+            if self._sock is None:
+                self._connect()
+            if self._send(data):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self) -> Heartbeat:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+class NullHeartbeat:
+    """What connect() returns outside trainwatch: every call does nothing."""
+
+    rank = 0
+    dropped = 0
+
+    def beat(self, step: int, loss: float | None = None, grad_norm: float | None = None,
+             rank: int | None = None) -> None:  # fmt: skip
+        pass
+
+    def checkpoint(self, step: int, path: str | os.PathLike[str], rank: int | None = None) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullHeartbeat:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+
+def _env_rank() -> int:
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def connect(path: str | None = None, rank: int | None = None) -> Heartbeat | NullHeartbeat:
+    """A heartbeat sender for TRAINWATCH_SOCKET (or ``path``); a no-op object
+    when neither is set. The rank defaults to $RANK, as torchrun sets it."""
+    path = path or os.environ.get("TRAINWATCH_SOCKET")
+    if not path:
+        return NullHeartbeat()
+    return Heartbeat(path, _env_rank() if rank is None else rank)
+
+
+def resume_from() -> str | None:
+    """The checkpoint to resume from (TRAINWATCH_RESUME_FROM), or None on a fresh start."""
+    return os.environ.get("TRAINWATCH_RESUME_FROM") or None
+
+
+def skip_steps() -> tuple[int, int] | None:
+    """(start, end) steps whose data to skip after a rollback, or None."""
+    raw = os.environ.get("TRAINWATCH_SKIP_STEPS")
+    if not raw:
+        return None
+    try:
+        a, b = raw.split(":")
+        return int(a), int(b)
+    except ValueError:
+        return None

@@ -1,0 +1,1 @@
+"""The embedded default: a bundled trainer and a drill that breaks it on purpose."""

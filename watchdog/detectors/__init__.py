@@ -1,0 +1,1 @@
+"""Detectors: small pure functions from observations to a Fault (or None). No I/O."""

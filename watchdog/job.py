@@ -1,0 +1,383 @@
+"""One supervised job: its state machine and everything that drives it.
+
+Events come from the supervisor's loop: heartbeat datagrams, the leader's
+exit (pidfd), output, and ticks. Detectors turn them into faults, the policy
+turns a fault into a decision, and this is the only code that signals the
+job's processes.
+
+    start ─▶ STARTING ─first beat─▶ RUNNING
+    fault or exit ─▶ STOPPING (SIGTERM, kill_grace, SIGKILL, wait for every process)
+        ─▶ BACKOFF ─delay─▶ STARTING       relaunch from the last good checkpoint
+        ─▶ EXITED                           the job finished (exit 0)
+        ─▶ FATAL                            budget spent, or the action was stop
+        ─▶ PAUSED                           the operator stopped it (Ctrl-C)
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import selectors
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trainwatch import status
+from trainwatch.attempt import Attempt
+from trainwatch.catalog import Catalog, Entry
+from trainwatch.config import Config, ConfigError, Job, socket_path
+from trainwatch.detectors.crash import detect_crash
+from trainwatch.detectors.hang import detect_hang, next_deadline
+from trainwatch.ledger import Ledger, Relaunch
+from trainwatch.policy import RestartHistory, decide
+from trainwatch.ranks import Ranks
+from trainwatch.sources.heartbeat import HeartbeatSocket
+from trainwatch.types import (
+    TRANSITIONS,
+    Action,
+    Beat,
+    CheckpointReport,
+    Fault,
+    JobState,
+    ProcessExit,
+)
+
+log = logging.getLogger("trainwatch")
+
+# A job that never uses the client counts as running once it has been up this
+# long; one that does counts as running at its first beat.
+_RUNNING_WITHOUT_BEATS = 10.0
+# While stopping, look at the tree this often.
+_STOP_POLL = 0.02
+# Without a pidfd (kernels before 5.3), poll the leader this often.
+_EXIT_POLL = 0.1
+
+
+@dataclass
+class _Stop:
+    outcome: JobState
+    reason: str
+    deadline: float
+    delay: float = 0.0
+    killed: bool = False
+
+
+class JobRunner:
+    def __init__(
+        self,
+        config: Config,
+        job: Job,
+        ledger: Ledger,
+        selector: selectors.BaseSelector,
+        passthrough: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.job = job
+        self.policy = config.policy_for(job)
+        self.ledger = ledger
+        self.sel = selector
+        self.passthrough = passthrough
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.dir = status.job_dir(config.state_dir, job.name)
+        self.catalog = Catalog(job.checkpoints, self.dir / "catalog.json")
+        self.history = RestartHistory()
+        self.state: JobState | None = None
+        self.attempt: Attempt | None = None
+        self.number = -1
+        self.ranks = Ranks(started=clock())
+        self.ever_beaten = False
+        self.last_step: int | None = None
+        self.hang_latched = False  # a hang already reported and not acted on
+        self.stopping: _Stop | None = None
+        self.relaunch_at = 0.0
+        self.pending_incident: int | None = None
+        self.socket_path = socket_path(config.run_dir, job.name)
+        self.socket = HeartbeatSocket(self.socket_path, self._believe, clock)
+        selector.register(self.socket, selectors.EVENT_READ, self._on_socket)
+
+    # --- state ---------------------------------------------------------------
+
+    def _to(self, new: JobState, reason: str) -> None:
+        old = self.state
+        if old is not None and new not in TRANSITIONS[old]:
+            raise AssertionError(f"illegal transition {old.value} -> {new.value} ({reason})")
+        self.state = new
+        self.ledger.transition(self.job.name, max(self.number, 0), old, new, reason)
+        log.info("job %s: %s -> %s: %s", self.job.name, old.value if old else "-", new.value, reason)
+        self._publish()
+
+    def _publish(self) -> None:
+        a = self.attempt
+        status.publish(
+            self.config.state_dir,
+            self.job.name,
+            {
+                "job": self.job.name,
+                "state": self.state.value if self.state else None,
+                "attempt": self.number,
+                "pid": a.pid if a else None,
+                "pgid": a.pid if a else None,
+                "ranks": {str(r): p for r, p in self.ranks.pids().items()},
+                "step": self.last_step,
+                "socket": self.socket_path,
+                "log": str(a.log_path) if a else None,
+                "resumed_from": a.resume_from if a else None,
+                "observe_only": self.config.observe_only,
+            },
+        )
+
+    @property
+    def done(self) -> bool:
+        return self.state in (JobState.EXITED, JobState.FATAL, JobState.PAUSED)
+
+    # --- launching -----------------------------------------------------------
+
+    def start(self) -> None:
+        self._launch("start")
+
+    def _launch(self, reason: str) -> None:
+        cp: Entry | None = self.catalog.last_good()
+        self.number += 1
+        try:
+            a = Attempt(
+                self.job,
+                self.number,
+                self.socket_path,
+                cp.path if cp else None,
+                cp.step if cp else None,
+                self.dir / "logs",
+                self.passthrough,
+            )
+        except OSError as e:
+            what = f"{self.job.command[0]}: cannot start: {e.strerror or e}"
+            if self.number == 0:
+                raise ConfigError(f"jobs.{self.job.name}.command: {what}") from None
+            log.error("job %s: %s", self.job.name, what)
+            self._to(JobState.FATAL, what)
+            return
+        self.attempt = a
+        self.ranks = Ranks(started=a.started)
+        self.hang_latched = False
+        if a.pidfd is not None:
+            self.sel.register(a.pidfd, selectors.EVENT_READ, self._on_exit_ready)
+        for fd in a.pipes:
+            self.sel.register(fd, selectors.EVENT_READ, self._on_output)
+        where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
+        self._to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
+        if self.pending_incident is not None:
+            lost = None
+            if self.last_step is not None:
+                lost = max(0, self.last_step - (cp.step if cp else 0))
+            self.ledger.relaunched(
+                self.pending_incident,
+                Relaunch(a.started_wall, a.resume_from, a.resumed_step, lost),
+            )
+            self.pending_incident = None
+
+    # --- events from the loop ------------------------------------------------
+
+    def _believe(self, pid: int, uid: int) -> bool:
+        a = self.attempt
+        return a is not None and a.returncode is None and a.tree.owns(pid, uid)
+
+    def _on_socket(self, _fd: int) -> None:
+        for obs in self.socket.drain():
+            if isinstance(obs, Beat):
+                self._on_beat(obs)
+            elif isinstance(obs, CheckpointReport):
+                self.catalog.report(obs.step, obs.path)
+                log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step,
+                         obs.path)  # fmt: skip
+
+    def _on_beat(self, b: Beat) -> None:
+        if self.state not in (JobState.STARTING, JobState.RUNNING):
+            return  # a late beat from an attempt being stopped
+        first = not self.ranks.beaten
+        new_pid = self.ranks.observe(b)
+        self.hang_latched = False
+        self.ever_beaten = True
+        if self.last_step is None or b.step > self.last_step:
+            self.last_step = b.step
+        a = self.attempt
+        if first and a is not None and a.resumed_step is not None:
+            self.catalog.start_succeeded(a.resumed_step)
+        if self.state is JobState.STARTING:
+            self._to(JobState.RUNNING, f"first heartbeat (rank {b.rank}, step {b.step})")
+        elif new_pid:
+            self._publish()
+
+    def _on_output(self, fd: int) -> None:
+        a = self.attempt
+        if a is not None and fd in a.pipes and not a.pump(fd):
+            self._unregister(fd)
+            a.pipes.pop(fd, None)  # EOF: the writers are gone
+
+    def _unregister(self, fd: int) -> None:
+        if fd in self.sel.get_map():
+            self.sel.unregister(fd)
+
+    def _on_exit_ready(self, fd: int) -> None:
+        self._unregister(fd)  # a pidfd stays readable once the process has exited
+        self._check_exit()
+
+    def _check_exit(self) -> None:
+        a = self.attempt
+        if a is None or a.returncode is not None:
+            return
+        rc = a.poll_exit()
+        if rc is None:
+            return
+        if self.state is JobState.STOPPING:
+            return  # we are killing it; _progress_stop finishes the job
+        at = a.exited_at if a.exited_at is not None else self.clock()
+        fault = detect_crash(self.job.name, ProcessExit(a.pid, rc, at), self.last_step)
+        if fault is None:
+            self._begin_stop(JobState.EXITED, "the job finished (exit 0)")
+        else:
+            self._handle(fault)
+
+    def tick(self, now: float) -> None:
+        a = self.attempt
+        if a is not None and a.pidfd is None and a.returncode is None:
+            self._check_exit()
+        if self.state in (JobState.STARTING, JobState.RUNNING) and a is not None:
+            if (
+                self.state is JobState.STARTING
+                and not self.ranks.beaten
+                and now - a.started >= _RUNNING_WITHOUT_BEATS
+            ):
+                self._to(JobState.RUNNING, f"up {_RUNNING_WITHOUT_BEATS:g}s without heartbeats")
+            if not self.hang_latched:
+                fault = detect_hang(self.job.name, self._snapshot(now), self.job.heartbeat)
+                if fault is not None:
+                    self._handle(fault)
+        elif self.state is JobState.STOPPING:
+            self._progress_stop(now)
+        elif self.state is JobState.BACKOFF and now >= self.relaunch_at:
+            self._launch("relaunch")
+
+    def next_wake(self, now: float) -> float:
+        """The latest time the loop may sleep until."""
+        if self.state is JobState.STOPPING:
+            return now + _STOP_POLL
+        if self.state is JobState.BACKOFF:
+            return self.relaunch_at
+        wake = now + 1.0
+        a = self.attempt
+        if a is not None and a.pidfd is None:
+            wake = now + _EXIT_POLL
+        if self.state is JobState.STARTING:
+            wake = min(wake, (a.started if a else now) + _RUNNING_WITHOUT_BEATS)
+        if self.state in (JobState.STARTING, JobState.RUNNING) and not self.hang_latched:
+            d = next_deadline(self._snapshot(now), self.job.heartbeat)
+            if d is not None:
+                wake = min(wake, d)
+        return wake
+
+    def _snapshot(self, now: float):  # type: ignore[no-untyped-def]
+        learned = self.job.heartbeat.learned
+        return self.ranks.snapshot(now, learned.min_samples if learned else 1 << 30)
+
+    # --- faults --------------------------------------------------------------
+
+    def _handle(self, fault: Fault) -> None:
+        a = self.attempt
+        assert a is not None
+        now = self.clock()
+        exited = a.returncode is not None
+        if not self.ranks.beaten and a.resumed_step is not None and self.ever_beaten:
+            # It died (or hung) before its first beat after loading this checkpoint.
+            if self.catalog.start_failed(a.resumed_step):
+                log.warning("job %s: checkpoint step %d marked bad: %s", self.job.name,
+                            a.resumed_step, self.catalog.bad[a.resumed_step])  # fmt: skip
+        action = self.policy.action_for(fault.kind)
+        if self.config.observe_only:
+            reason, delay, fatal = f"observe_only: would {action.value}", None, False
+        else:
+            d = decide(self.policy, fault, self.history, now, now - a.started, self.rng)
+            reason, delay, fatal = d.reason, d.delay, d.fatal
+        incident = self.ledger.incident(
+            fault, action.value, reason, a.number, max(0.0, now - fault.onset),
+            observe_only=self.config.observe_only, backoff=delay,
+        )  # fmt: skip
+        ev = ", ".join(f"{k}={v}" for k, v in fault.evidence.items())
+        log.warning("job %s: %s (%s) -> %s: %s", self.job.name, fault.kind.value, ev,
+                    action.value, reason)  # fmt: skip
+
+        if self.config.observe_only or action is Action.ALERT:
+            if exited:
+                self._begin_stop(JobState.FATAL, f"{fault.kind.value}: not relaunched ({reason})")
+            else:
+                self.hang_latched = True
+            return
+        if action is Action.STOP or fatal:
+            self._begin_stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
+            return
+        self.pending_incident = incident
+        self._begin_stop(JobState.BACKOFF, f"{fault.kind.value}: {reason}", delay or 0.0)
+
+    # --- stopping ------------------------------------------------------------
+
+    def stop(self, reason: str) -> None:
+        """The operator asked: stop the job, do not relaunch."""
+        if self.state in (JobState.STARTING, JobState.RUNNING):
+            self._begin_stop(JobState.PAUSED, reason)
+        elif self.state is JobState.BACKOFF:
+            self._to(JobState.PAUSED, reason)
+        elif self.stopping is not None and self.stopping.outcome is not JobState.EXITED:
+            self.stopping.outcome, self.stopping.reason = JobState.PAUSED, reason
+
+    def _begin_stop(self, outcome: JobState, reason: str, delay: float = 0.0) -> None:
+        now = self.clock()
+        self.stopping = _Stop(outcome, reason, now + self.policy.kill_grace, delay)
+        self._to(JobState.STOPPING, reason)
+        a = self.attempt
+        if a is not None and not self.config.observe_only:
+            members = a.tree.scan()
+            # SIGCONT after SIGTERM so that a stopped process can act on it.
+            a.tree.signal(signal.SIGTERM, members)
+            a.tree.signal(signal.SIGCONT, members)
+        self._progress_stop(now)
+
+    def _progress_stop(self, now: float) -> None:
+        s, a = self.stopping, self.attempt
+        assert s is not None
+        if a is not None:
+            a.poll_exit()
+            a.tree.reap()
+            # observe_only never signals, so it cannot wait for the tree either.
+            alive = set() if self.config.observe_only else a.tree.alive()
+            if alive:
+                if now >= s.deadline and not s.killed:
+                    log.warning("job %s: %d processes outlived kill_grace %gs: SIGKILL",
+                                self.job.name, len(alive), self.policy.kill_grace)  # fmt: skip
+                    a.tree.signal(signal.SIGKILL, alive)
+                    s.killed = True
+                return
+            for fd in [*a.pipes, a.pidfd]:
+                if fd is not None:
+                    self._unregister(fd)
+            a.close()
+        self.stopping = None
+        if s.outcome is JobState.BACKOFF:
+            self.relaunch_at = now + s.delay
+            self._to(JobState.BACKOFF, f"relaunch in {s.delay:.2f}s")
+        else:
+            self._to(s.outcome, s.reason)
+
+    def close(self) -> None:
+        """Release the socket; a tree still running here (the loop failed) is killed
+        outright rather than left behind without a supervisor."""
+        a = self.attempt
+        if a is not None and not self.done and not self.config.observe_only:
+            a.tree.signal(signal.SIGKILL, a.tree.scan())
+        self._unregister(self.socket.fileno())
+        self.socket.close()
+
+    @property
+    def exit_code(self) -> int:
+        return {JobState.EXITED: 0, JobState.PAUSED: 130}.get(self.state or JobState.FATAL, 1)

@@ -1,0 +1,74 @@
+"""The heartbeat state of one attempt: per rank, its last beat, step and pid,
+and a bounded sample of step intervals from which a hang timeout is learned."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from trainwatch.types import Beat, HeartbeatSnapshot, RankView
+
+_SAMPLE = 512  # recent step intervals kept per attempt (all ranks together)
+_P99_EVERY = 64  # recompute the p99 after this many new intervals
+
+
+@dataclass
+class _Rank:
+    last_beat: float
+    step: int
+    pid: int
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass
+class Ranks:
+    started: float  # monotonic start of the attempt
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLE))
+    p99: float | None = None
+    _since_p99: int = 0
+
+    def observe(self, b: Beat) -> bool:
+        """Record a beat; returns True when the rank or its pid is new."""
+        r = self.ranks.get(b.rank)
+        if r is None:
+            self.ranks[b.rank] = _Rank(b.at, b.step, b.pid, b.loss, b.grad_norm)
+            return True
+        if b.step > r.step:
+            # Seconds per step, so that a client beating every k steps still
+            # teaches a comparable interval.
+            self.intervals.append((b.at - r.last_beat) / (b.step - r.step))
+            self._since_p99 += 1
+        new_pid = r.pid != b.pid
+        r.last_beat, r.step, r.pid, r.loss, r.grad_norm = b.at, b.step, b.pid, b.loss, b.grad_norm
+        return new_pid
+
+    @property
+    def beaten(self) -> bool:
+        return bool(self.ranks)
+
+    @property
+    def step(self) -> int | None:
+        """The step every rank has reached (the slowest rank's)."""
+        return min(r.step for r in self.ranks.values()) if self.ranks else None
+
+    @property
+    def max_step(self) -> int | None:
+        return max(r.step for r in self.ranks.values()) if self.ranks else None
+
+    def learned_p99(self, min_samples: int) -> float | None:
+        if len(self.intervals) < min_samples:
+            return None
+        if self.p99 is None or self._since_p99 >= _P99_EVERY:
+            ordered = sorted(self.intervals)
+            self.p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+            self._since_p99 = 0
+        return self.p99
+
+    def snapshot(self, now: float, min_samples: int) -> HeartbeatSnapshot:
+        views = tuple(RankView(rank, r.last_beat, r.step) for rank, r in self.ranks.items())
+        return HeartbeatSnapshot(now, self.started, views, self.learned_p99(min_samples))
+
+    def pids(self) -> dict[int, int]:
+        return {rank: r.pid for rank, r in self.ranks.items()}

@@ -1,0 +1,28 @@
+"""A job's published status: ``state_dir/jobs/<job>/status.json``, rewritten
+atomically on every state change and whenever a rank's pid becomes known.
+``faultinject`` and the CLI find the job's processes through it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from trainwatch import atomic
+
+
+def job_dir(state_dir: str | os.PathLike[str], job: str) -> Path:
+    return Path(state_dir) / "jobs" / job
+
+
+def status_path(state_dir: str | os.PathLike[str], job: str) -> Path:
+    return job_dir(state_dir, job) / "status.json"
+
+
+def publish(state_dir: str | os.PathLike[str], job: str, status: dict[str, Any]) -> None:
+    atomic.write_json(status_path(state_dir, job), status)
+
+
+def read(state_dir: str | os.PathLike[str], job: str) -> dict[str, Any] | None:
+    s = atomic.read_json(status_path(state_dir, job))
+    return s if isinstance(s, dict) else None

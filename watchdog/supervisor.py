@@ -1,0 +1,102 @@
+"""The supervisor loop, written once for ``trainwatch run`` and ``trainwatch
+daemon``: one thread, one selector over every job's heartbeat socket, leader
+pidfd and output pipes, plus a wake-up pipe for signals. It sleeps until
+something arrives or the next deadline (a heartbeat timeout, a backoff, a
+kill grace) is due, so an idle supervisor costs nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import selectors
+import signal
+import time
+from collections.abc import Callable
+from types import FrameType
+
+from trainwatch import tree
+from trainwatch.config import Config, Job
+from trainwatch.job import JobRunner
+from trainwatch.ledger import Ledger
+
+log = logging.getLogger("trainwatch")
+
+_MAX_SLEEP = 1.0
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config: Config,
+        jobs: tuple[Job, ...] | None = None,
+        passthrough: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        os.makedirs(config.state_dir, exist_ok=True)
+        os.makedirs(config.run_dir, mode=0o755, exist_ok=True)
+        self.ledger = Ledger(config.state_dir)
+        self.sel = selectors.DefaultSelector()
+        self.runners = [
+            JobRunner(config, j, self.ledger, self.sel, passthrough, clock)
+            for j in (jobs if jobs is not None else config.jobs)
+        ]
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
+        self.stop_signal: int | None = None
+        self._stop_sent = False
+
+    def _on_wake(self, fd: int) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(fd, 512)
+
+    def request_stop(self, signum: int = signal.SIGINT) -> None:
+        """Stop every job and return; safe from a signal handler or another thread."""
+        self.stop_signal = signum
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
+    def _handler(self, signum: int, _frame: FrameType | None) -> None:
+        self.request_stop(signum)
+
+    def run(self, install_signals: bool = True) -> int:
+        """Supervise until every job has ended; the exit code for the CLI."""
+        if not tree.become_subreaper():
+            log.warning("could not become a child subreaper: escaped orphans go to init")
+        old: dict[int, object] = {}
+        if install_signals:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old[sig] = signal.signal(sig, self._handler)
+        try:
+            for r in self.runners:
+                r.start()
+            while not all(r.done for r in self.runners):
+                if self.stop_signal is not None and not self._stop_sent:
+                    self._stop_sent = True
+                    name = signal.Signals(self.stop_signal).name
+                    for r in self.runners:
+                        r.stop(f"operator: {name}")
+                now = self.clock()
+                wake = min([now + _MAX_SLEEP, *(r.next_wake(now) for r in self.runners)])
+                for key, _ in self.sel.select(max(0.0, wake - now)):
+                    key.data(key.fd)
+                now = self.clock()
+                for r in self.runners:
+                    r.tick(now)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+            self.close()
+        if self.stop_signal is not None:
+            return 128 + self.stop_signal
+        return max(r.exit_code for r in self.runners)
+
+    def close(self) -> None:
+        for r in self.runners:
+            r.close()
+        self.sel.unregister(self._wake_r)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.ledger.close()

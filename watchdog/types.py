@@ -1,0 +1,143 @@
+"""The vocabulary every other module speaks: states, fault kinds, actions,
+observations, faults and decisions.
+
+This module imports nothing outside the standard library and nothing of
+trainwatch, so it sits at the root of the import graph (as Supervisor's
+``states.py`` does).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class JobState(str, enum.Enum):
+    STARTING = "starting"  # launched, no heartbeat yet
+    RUNNING = "running"
+    STOPPING = "stopping"  # the tree is being killed (or reaped after the leader exited)
+    BACKOFF = "backoff"  # waiting before a relaunch
+    EXITED = "exited"  # finished with code 0
+    FATAL = "fatal"  # budget spent or unrecoverable; trainwatch gave up
+    PAUSED = "paused"  # stopped by the operator; not relaunched until resumed
+
+
+# Every allowed transition. Anything else is a bug and raises (Supervisor's
+# process.py asserts the same way).
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING}),
+    JobState.RUNNING: frozenset({JobState.STOPPING}),
+    JobState.STOPPING: frozenset(
+        {JobState.BACKOFF, JobState.EXITED, JobState.FATAL, JobState.PAUSED}
+    ),
+    JobState.BACKOFF: frozenset({JobState.STARTING, JobState.FATAL, JobState.PAUSED}),
+    JobState.EXITED: frozenset(),
+    JobState.FATAL: frozenset(),
+    JobState.PAUSED: frozenset({JobState.STARTING}),
+}
+
+TERMINAL = frozenset({JobState.EXITED, JobState.FATAL, JobState.PAUSED})
+
+
+class FaultKind(str, enum.Enum):
+    CRASH = "crash"
+    HANG = "hang"
+    NCCL_STALL = "nccl_stall"
+    GPU_XID = "gpu_xid"
+    GPU_ECC = "gpu_ecc"
+    GPU_LOST = "gpu_lost"
+    GPU_THERMAL = "gpu_thermal"
+    NAN_LOSS = "nan_loss"
+    LOSS_SPIKE = "loss_spike"
+    GRAD_NORM_OUTLIER = "grad_norm_outlier"
+    LOG_PATTERN = "log_pattern"
+
+
+class Action(str, enum.Enum):
+    ALERT = "alert"  # record and export only
+    RESTART = "restart"  # kill, relaunch from the last good checkpoint
+    ROLLBACK = "rollback"  # kill, relaunch from a checkpoint strictly before the onset
+    RESTART_EXCLUDE_GPU = "restart_exclude_gpu"
+    EXEC = "exec"  # run an operator command
+    STOP = "stop"  # kill and do not relaunch
+
+
+# Actions this release can carry out; the rest are accepted by name in DESIGN
+# but arrive with later sources (GPU, loss) and are refused by the config check.
+IMPLEMENTED_ACTIONS = frozenset({Action.ALERT, Action.RESTART, Action.STOP})
+
+
+# --- observations (sources -> detectors) -------------------------------------
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One heartbeat from one rank, as received."""
+
+    rank: int
+    step: int
+    at: float  # monotonic receive time
+    pid: int
+    loss: float | None = None
+    grad_norm: float | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """The job said: the checkpoint at ``path`` for ``step`` is complete."""
+
+    step: int
+    path: str
+    rank: int
+    at: float
+
+
+@dataclass(frozen=True)
+class ProcessExit:
+    """The job's leader process ended."""
+
+    pid: int
+    returncode: int  # negative: killed by that signal (subprocess convention)
+    at: float  # monotonic time the exit was observed
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What the hang detector needs to know about one rank."""
+
+    rank: int
+    last_beat: float  # monotonic
+    step: int
+
+
+@dataclass(frozen=True)
+class HeartbeatSnapshot:
+    """The heartbeat state of one attempt at one instant."""
+
+    now: float
+    attempt_started: float
+    ranks: tuple[RankView, ...]
+    intervals_p99: float | None  # learned step interval, None until enough samples
+
+
+# --- faults and decisions -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: FaultKind
+    job: str
+    onset: float  # monotonic time the fault began (exit time, last beat + timeout, ...)
+    evidence: dict[str, Any] = field(default_factory=dict)
+    rank: int | None = None
+    gpu: int | None = None
+    onset_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    delay: float = 0.0  # seconds of backoff before the relaunch
+    fatal: bool = False  # the budget is spent: give up
+    reason: str = ""
