@@ -7,8 +7,9 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from faultinject import drills
 from trainwatch.config import ConfigError, default_dirs, load
+
+from faultinject import drills
 
 
 class _Parser(argparse.ArgumentParser):
@@ -22,7 +23,8 @@ def _seconds(text: str) -> float:
     try:
         return parse_duration(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a duration such as 5 or 30s, got {text!r}")
+        msg = f"expected a duration such as 5 or 30s, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

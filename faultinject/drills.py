@@ -7,12 +7,13 @@ of every rank that has beaten.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 from typing import Any
 
-from trainwatch import status
+from trainwatch import status as jobstatus
 
 
 class DrillError(Exception):
@@ -20,9 +21,9 @@ class DrillError(Exception):
 
 
 def job_status(state_dir: str, job: str) -> dict[str, Any]:
-    s = status.read(state_dir, job)
+    s = jobstatus.read(state_dir, job)
     if s is None:
-        raise DrillError(f"{status.status_path(state_dir, job)}: no status for job {job!r}"
+        raise DrillError(f"{jobstatus.status_path(state_dir, job)}: no status for job {job!r}"
                          " (is trainwatch supervising it, with this --state-dir?)")  # fmt: skip
     if s.get("state") not in ("starting", "running") or not s.get("pid"):
         raise DrillError(f"job {job!r} is {s.get('state')}, not running")
@@ -79,8 +80,6 @@ def hang(state_dir: str, job: str, rank: int | None = None, seconds: float | Non
         what = f"rank {rank} (pid {pid})"
     if seconds is not None:
         time.sleep(seconds)
-        try:
-            resume()
-        except ProcessLookupError:
-            pass  # trainwatch already killed and relaunched it
+        with contextlib.suppress(ProcessLookupError):
+            resume()  # unless trainwatch already killed and relaunched it
     return what

@@ -102,20 +102,21 @@ class Catalog:
                 m = self._regex.match(name)
                 if m:
                     found[int(m.group(1))] = Path(self.spec.dir, name)
-        for step, path in self.reported.items():
-            if step not in found and os.path.exists(path):
-                found[step] = Path(path)
+        for step, reported in self.reported.items():
+            if step not in found and os.path.exists(reported):
+                found[step] = Path(reported)
         now = self.clock()
         out = []
         for step in sorted(found):
             path = found[step]
             complete, why = self._complete(step, path, now)
+            verdict: str = why
             bad = step in self.bad
             if bad:
-                why = f"bad: {self.bad[step]}"
+                verdict = f"bad: {self.bad[step]}"
             elif complete and not _nonempty(path):
-                complete, why = False, "empty"
-            out.append(Entry(step, str(path), complete, bad, why))
+                complete, verdict = False, "empty"
+            out.append(Entry(step, str(path), complete, bad, verdict))
         return out
 
     def _complete(self, step: int, path: Path, now: float) -> tuple[bool, str]:

@@ -108,7 +108,9 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
         observe_only=config.observe_only or args.observe_only,
     )
     if len(socket_path(config.run_dir, job.name)) > MAX_SOCKET_PATH:
-        raise ConfigError(f"--run-dir: expected a path short enough for a socket, got {config.run_dir!r}")
+        raise ConfigError(
+            f"--run-dir: expected a path short enough for a socket, got {config.run_dir!r}"
+        )
     return config, job
 
 

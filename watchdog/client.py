@@ -37,6 +37,10 @@ def _num(x: float | None) -> str:
     return repr(x) if math.isfinite(x) else f'"{x}"'
 
 
+def _head(rank: int) -> str:
+    return f'{{"v":1,"k":"beat","rank":{int(rank)},"step":'
+
+
 class Heartbeat:
     """A connected heartbeat sender. Cheap to call every step."""
 
@@ -48,7 +52,7 @@ class Heartbeat:
         self.dropped = 0
         self._sock: socket.socket | None = None
         self._last_try = 0.0
-        self._head = '{"v":1,"k":"beat","rank":%d,"step":' % rank
+        self._head = _head(rank)
         self._connect()
 
     def _connect(self) -> None:
@@ -89,13 +93,13 @@ class Heartbeat:
     ) -> None:
         """Report that ``step`` finished. Never blocks, never raises."""
         try:
-            head = self._head if rank is None else '{"v":1,"k":"beat","rank":%d,"step":' % rank
+            head = self._head if rank is None else _head(rank)
             if loss is None and grad_norm is None:
-                msg = "%s%d}" % (head, step)
+                msg = f"{head}{int(step)}}}"
             else:
                 msg = f'{head}{int(step)},"loss":{_num(loss)},"grad_norm":{_num(grad_norm)}}}'
             self._send(msg.encode())
-        except Exception:  # noqa: BLE001 - never raise into the training loop
+        except Exception:
             self.dropped += 1
 
     def checkpoint(self, step: int, path: str | os.PathLike[str], rank: int | None = None) -> bool:
@@ -105,7 +109,7 @@ class Heartbeat:
             body = {"v": 1, "k": "ckpt", "rank": self.rank if rank is None else rank,
                     "step": int(step), "path": os.path.abspath(os.fspath(path))}  # fmt: skip
             data = json.dumps(body, separators=(",", ":")).encode()
-        except Exception:  # noqa: BLE001
+        except Exception:
             return False
         deadline = time.monotonic() + _CHECKPOINT_RETRY_FOR
         while True:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from trainwatch.types import IMPLEMENTED_ACTIONS, Action, FaultKind
 
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
@@ -238,15 +237,17 @@ def _natural(v: object) -> int:
 
 
 def _positive_int(v: object) -> int:
-    if _natural(v) == 0:
+    n = _natural(v)
+    if n == 0:
         raise ValueError(v)
-    return int(v)  # type: ignore[call-overload]
+    return n
 
 
 def _port(v: object) -> int:
-    if not 0 < _natural(v) < 65536:
+    n = _natural(v)
+    if not 0 < n < 65536:
         raise ValueError(v)
-    return int(v)  # type: ignore[call-overload]
+    return n
 
 
 def _factor(v: object) -> float:
@@ -390,7 +391,9 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
     checkpoints = Checkpoints(
         dir=r.get(c, "dir", cp, _STR, None),
         layout=r.get(c, "layout", cp, "generic", dc.layout),
-        pattern=r.get(c, "pattern", cp, "a file name pattern with one {step} and no '/'", dc.pattern),
+        pattern=r.get(
+            c, "pattern", cp, "a file name pattern with one {step} and no '/'", dc.pattern
+        ),
         marker=r.get(c, "marker", cp, _STR, None),
         quiet_for=r.get(c, "quiet_for", cp, _OPT_DUR, None),
         bad_after=r.get(c, "bad_after", cp, "an integer >= 1", dc.bad_after),

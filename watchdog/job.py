@@ -107,7 +107,9 @@ class JobRunner:
             raise AssertionError(f"illegal transition {old.value} -> {new.value} ({reason})")
         self.state = new
         self.ledger.transition(self.job.name, max(self.number, 0), old, new, reason)
-        log.info("job %s: %s -> %s: %s", self.job.name, old.value if old else "-", new.value, reason)
+        log.info(
+            "job %s: %s -> %s: %s", self.job.name, old.value if old else "-", new.value, reason
+        )
         self._publish()
 
     def _publish(self) -> None:
@@ -289,11 +291,13 @@ class JobRunner:
         assert a is not None
         now = self.clock()
         exited = a.returncode is not None
-        if not self.ranks.beaten and a.resumed_step is not None and self.ever_beaten:
-            # It died (or hung) before its first beat after loading this checkpoint.
-            if self.catalog.start_failed(a.resumed_step):
-                log.warning("job %s: checkpoint step %d marked bad: %s", self.job.name,
-                            a.resumed_step, self.catalog.bad[a.resumed_step])  # fmt: skip
+        resumed = a.resumed_step
+        # Dying (or hanging) before the first beat after loading a checkpoint
+        # counts against that checkpoint.
+        failed_start = not self.ranks.beaten and resumed is not None and self.ever_beaten
+        if failed_start and resumed is not None and self.catalog.start_failed(resumed):
+            log.warning("job %s: checkpoint step %d marked bad: %s", self.job.name, resumed,
+                        self.catalog.bad[resumed])  # fmt: skip
         action = self.policy.action_for(fault.kind)
         if self.config.observe_only:
             reason, delay, fatal = f"observe_only: would {action.value}", None, False

@@ -48,7 +48,9 @@ def decide(
     """Pure apart from updating ``history`` when it grants a restart."""
     action = policy.action_for(fault.kind)
     if action not in _RELAUNCHING:
-        return Decision(action, reason=f"policy {policy.name}: {fault.kind.value} -> {action.value}")
+        return Decision(
+            action, reason=f"policy {policy.name}: {fault.kind.value} -> {action.value}"
+        )
     if attempt_ran_for >= policy.backoff.reset_after:
         history.consecutive = 0  # the attempt was stable: start the backoff over
     used = history.in_window(now, policy.window)

@@ -67,7 +67,7 @@ class Supervisor:
             log.warning("could not become a child subreaper: escaped orphans go to init")
         old: dict[int, object] = {}
         if install_signals:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT.value, signal.SIGTERM.value):
                 old[sig] = signal.signal(sig, self._handler)
         try:
             for r in self.runners:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import signal
 from collections.abc import Iterable
 
 import psutil

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
 from trainwatch import client
 
 Params = dict[str, npt.NDArray[np.float64]]
@@ -82,9 +81,11 @@ def digest(params: Params, velocity: Params) -> str:
 
 def save(path: Path, step: int, loss: float, params: Params, velocity: Params) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
+    arrays: dict[str, Any] = {"step": step, "loss": loss}
+    arrays.update({f"p_{k}": v for k, v in params.items()})
+    arrays.update({f"v_{k}": v for k, v in velocity.items()})
     with open(tmp, "wb") as f:
-        np.savez(f, step=step, loss=loss, **{f"p_{k}": v for k, v in params.items()},
-                 **{f"v_{k}": v for k, v in velocity.items()})  # fmt: skip
+        np.savez(f, **arrays)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -24,15 +24,17 @@ def detect_hang(job: str, snap: HeartbeatSnapshot, hb: Heartbeat) -> Fault | Non
         onset = snap.attempt_started + hb.startup_timeout
         if snap.now < onset:
             return None
-        evidence = {"no_beat_for_s": round(snap.now - snap.attempt_started, 3),
-                    "startup_timeout_s": hb.startup_timeout}  # fmt: skip
-        return Fault(FaultKind.HANG, job, onset, evidence)
+        started: dict[str, object] = {
+            "no_beat_for_s": round(snap.now - snap.attempt_started, 3),
+            "startup_timeout_s": hb.startup_timeout,
+        }
+        return Fault(FaultKind.HANG, job, onset, started)
     timeout = effective_timeout(hb, snap.intervals_p99)
     stalest = min(snap.ranks, key=lambda r: r.last_beat)
     onset = stalest.last_beat + timeout
     if snap.now < onset:
         return None
-    evidence = {
+    evidence: dict[str, object] = {
         "no_beat_for_s": round(snap.now - stalest.last_beat, 3),
         "timeout_s": round(timeout, 3),
         "learned": timeout != hb.timeout,
