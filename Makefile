@@ -20,7 +20,6 @@ test: lint typecheck unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check watchdog faultinject tests benchmarks
-	$(BIN)/ruff format --check watchdog faultinject
 
 # watchdog/ is imported as trainwatch: give mypy that name through a link.
 typecheck: $(STAMP)
