@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json(path: str | os.PathLike[str], obj: Any) -> None:
+def write_json(path: str | os.PathLike[str], obj: Any, durable: bool = True) -> None:
+    """``durable=False`` skips the fsyncs: still old-or-new for readers, but a
+    power loss may leave the old file. For snapshots rewritten every second."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
@@ -18,12 +20,15 @@ def write_json(path: str | os.PathLike[str], obj: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, p)
     except BaseException:
         os.unlink(tmp)
         raise
+    if not durable:
+        return
     dfd = os.open(p.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dfd)

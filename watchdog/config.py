@@ -6,6 +6,7 @@ path, what was expected and what was found.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -147,7 +148,7 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(value)
     if isinstance(value, int | float):
-        if value < 0:
+        if value < 0 or not math.isfinite(value):
             raise ValueError(value)
         return float(value)
     if isinstance(value, str):
@@ -167,7 +168,12 @@ class _Reader:
         self.source = source
 
     def fail(self, path: str, expected: str, got: object) -> ConfigError:
-        shown = "nothing" if got is _MISSING else repr(got)
+        if got is _MISSING:
+            shown = "nothing"
+        elif isinstance(got, _Said):
+            shown = str(got)
+        else:
+            shown = repr(got)
         if len(shown) > 60:
             shown = shown[:57] + "..."
         return ConfigError(f"{self.source}: {path}: expected {expected}, got {shown}")
@@ -180,7 +186,8 @@ class _Reader:
         for k in value:
             if k not in keys:
                 where = f"{path}.{k}" if path else str(k)
-                raise self.fail(where, "one of " + ", ".join(sorted(keys)), "an unknown key")
+                expected = "one of " + ", ".join(sorted(keys))
+                raise self.fail(where, expected, _Said("an unknown key"))
         return value
 
     def get(self, m: Mapping[str, Any], key: str, path: str, kind: str, default: Any) -> Any:
@@ -198,6 +205,10 @@ class _Reader:
 
 
 _MISSING: Any = object()
+
+
+class _Said(str):
+    """A description of what was found, shown as is rather than quoted as a value."""
 
 
 def _string(v: object) -> str:
@@ -251,7 +262,7 @@ def _port(v: object) -> int:
 
 
 def _factor(v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < 1:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 1 <= v < math.inf:
         raise TypeError(v)
     return float(v)
 
@@ -268,13 +279,18 @@ def _boolean(v: object) -> bool:
     return v
 
 
-def _env(v: object) -> dict[str, str]:
-    if not isinstance(v, dict):
-        raise TypeError(v)
+def _env(r: _Reader, raw: object, path: str) -> dict[str, str]:
+    """A job's env: names to scalars, each mistake named by its variable."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise r.fail(path, "a mapping of variable names to values", raw)
     out: dict[str, str] = {}
-    for k, x in v.items():
-        if not isinstance(k, str) or not k or "=" in k or isinstance(x, dict | list) or x is None:
-            raise ValueError(v)
+    for k, x in raw.items():
+        if not isinstance(k, str) or not k or "=" in k or "\0" in k:
+            raise r.fail(path, "variable names without '='", k)
+        if isinstance(x, dict | list) or x is None:
+            raise r.fail(f"{path}.{k}", "a string, number or true/false", x)
         out[k] = str(x).lower() if isinstance(x, bool) else str(x)
     return out
 
@@ -315,7 +331,6 @@ _CHECKS: dict[str, Any] = {
     "a number >= 1": _factor,
     "a fraction 0 <= x < 1": _fraction,
     "true or false": _boolean,
-    "a mapping of names to strings": _env,
     "a name of letters, digits, '_', '.', '-' (at most 63)": _job_name,
     "a file name pattern with one {step} and no '/'": _pattern,
     "auto, nvml, sim or off": _backend,
@@ -342,7 +357,10 @@ def _policy(r: _Reader, name: str, raw: object) -> Policy:
         reset_after=r.get(b, "reset_after", bp, _DUR, d.backoff.reset_after),
     )
     if backoff.max < backoff.initial:
-        raise r.fail(f"{bp}.max", f"at least initial ({backoff.initial:g}s)", b.get("max"))
+        got = b.get("max", _MISSING)
+        if got is _MISSING:
+            got = _Said(f"the default {backoff.max:g}s")
+        raise r.fail(f"{bp}.max", f"at least initial ({backoff.initial:g}s)", got)
     actions = dict(DEFAULT_ACTIONS)
     kinds = {k.value for k in FaultKind}
     raw_actions = r.mapping(m.get("actions"), f"{path}.actions", kinds)
@@ -381,7 +399,9 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
     )
     resume_args = r.get(m, "resume_args", path, "a list of strings", ())
     if resume_args and not any("{checkpoint}" in a for a in resume_args):
-        raise r.fail(f"{path}.resume_args", "an argument containing {checkpoint}", resume_args)
+        raise r.fail(
+            f"{path}.resume_args", "an argument containing {checkpoint}", list(resume_args)
+        )
 
     cp = f"{path}.checkpoints"
     c = r.mapping(
@@ -420,13 +440,14 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
 
     policy = r.get(m, "policy", path, _STR, "default")
     if policy not in policies:
-        raise r.fail(f"{path}.policy", "one of " + ", ".join(sorted(policies)), policy)
+        defined = ", ".join(sorted(policies))
+        raise r.fail(f"{path}.policy", f"a policy defined under policies ({defined})", policy)
     return Job(
         name=name,
         command=command,
         workdir=r.get(m, "workdir", path, _STR, None),
         user=r.get(m, "user", path, _STR, None),
-        env=r.get(m, "env", path, "a mapping of names to strings", {}),
+        env=_env(r, m.get("env"), f"{path}.env"),
         resume_args=resume_args,
         checkpoints=checkpoints,
         heartbeat=heartbeat,
@@ -461,9 +482,7 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
     mm = r.mapping(m.get("metrics"), "metrics", {"address", "port"})
     gm = r.mapping(m.get("gpu"), "gpu", {"backend", "count"})
     run_dir = r.get(m, "run_dir", "", _STR, run_default)
-    for i, j in enumerate(jobs):
-        if len(socket_path(run_dir, j.name)) > MAX_SOCKET_PATH:
-            raise r.fail("run_dir", f"a path short enough for a socket (jobs[{i}])", run_dir)
+    _check_socket_paths(r, run_dir, jobs)
     return Config(
         state_dir=r.get(m, "state_dir", "", _STR, state_default),
         run_dir=run_dir,
@@ -480,6 +499,17 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         observe_only=r.get(m, "observe_only", "", "true or false", False),
         source=source,
     )
+
+
+def _check_socket_paths(r: _Reader, run_dir: str, jobs: tuple[Job, ...]) -> None:
+    for i, j in enumerate(jobs):
+        if len(os.fsencode(socket_path(run_dir, j.name))) > MAX_SOCKET_PATH:
+            raise r.fail(
+                "run_dir",
+                f"a path short enough that {j.name}.sock (jobs[{i}]) in it fits an AF_UNIX"
+                f" socket path ({MAX_SOCKET_PATH} bytes)",
+                _Said(f"{run_dir} ({len(os.fsencode(run_dir))} bytes)"),
+            )
 
 
 def _resolve(config: Config, base: Path) -> Config:
@@ -503,25 +533,53 @@ def _resolve(config: Config, base: Path) -> Config:
     )
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)
+        try:
+            duplicate = key in seen
+        except TypeError:  # an unhashable key; construct_mapping reports it
+            continue
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key!r} twice in one mapping", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _unique_mapping,
+)
+
+
 def load(path: str | os.PathLike[str]) -> Config:
     """Read and validate a YAML config file."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{p}: byte {e.start}: expected UTF-8 text, got {e.object[e.start : e.start + 1]!r}"
+        ) from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else "top level"
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "top level"
         problem = getattr(e, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{p}: {where}: expected valid YAML, got {problem}") from None
+        raise ConfigError(f"{p}: {where}: expected valid YAML, got an error: {problem}") from None
     config = _resolve(from_mapping(raw, str(p)), p.resolve().parent)
-    for i, j in enumerate(config.jobs):
-        if len(socket_path(config.run_dir, j.name)) > MAX_SOCKET_PATH:
-            raise ConfigError(f"{p}: run_dir: expected a path short enough for a socket"
-                              f" (jobs[{i}]), got {config.run_dir!r}")  # fmt: skip
+    # A relative run_dir is only as long as it is once resolved.
+    _check_socket_paths(_Reader(str(p)), config.run_dir, config.jobs)
     return config
 
 

@@ -48,6 +48,8 @@ log = logging.getLogger("trainwatch")
 # A job that never uses the client counts as running once it has been up this
 # long; one that does counts as running at its first beat.
 _RUNNING_WITHOUT_BEATS = 10.0
+# The published status carries the step at most this often.
+_PUBLISH_EVERY = 1.0
 # While stopping, look at the tree this often.
 _STOP_POLL = 0.02
 # Without a pidfd (kernels before 5.3), poll the leader this often.
@@ -95,6 +97,8 @@ class JobRunner:
         self.stopping: _Stop | None = None
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
+        self.published_step: int | None = None
+        self.published_at = 0.0
         self.socket_path = socket_path(config.run_dir, job.name)
         self.socket = HeartbeatSocket(self.socket_path, self._believe, clock)
         selector.register(self.socket, selectors.EVENT_READ, self._on_socket)
@@ -114,6 +118,7 @@ class JobRunner:
 
     def _publish(self) -> None:
         a = self.attempt
+        self.published_step, self.published_at = self.last_step, self.clock()
         status.publish(
             self.config.state_dir,
             self.job.name,
@@ -233,8 +238,8 @@ class JobRunner:
         rc = a.poll_exit()
         if rc is None:
             return
-        if self.state is JobState.STOPPING:
-            return  # we are killing it; _progress_stop finishes the job
+        if self.state is not JobState.STARTING and self.state is not JobState.RUNNING:
+            return  # we are stopping it; _progress_stop finishes the job
         at = a.exited_at if a.exited_at is not None else self.clock()
         fault = detect_crash(self.job.name, ProcessExit(a.pid, rc, at), self.last_step)
         if fault is None:
@@ -244,8 +249,11 @@ class JobRunner:
 
     def tick(self, now: float) -> None:
         a = self.attempt
-        if a is not None and a.pidfd is None and a.returncode is None:
+        live = self.state in (JobState.STARTING, JobState.RUNNING)
+        if live and a is not None and a.pidfd is None and a.returncode is None:
             self._check_exit()
+        if self.last_step != self.published_step and now - self.published_at >= _PUBLISH_EVERY:
+            self._publish()
         if self.state in (JobState.STARTING, JobState.RUNNING) and a is not None:
             if (
                 self.state is JobState.STARTING

@@ -1,6 +1,7 @@
 """A job's published status: ``state_dir/jobs/<job>/status.json``, rewritten
 atomically on every state change and whenever a rank's pid becomes known.
-``faultinject`` and the CLI find the job's processes through it."""
+``faultinject`` and the CLI find the job's processes through it. A runtime
+snapshot, so it is not fsynced."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def status_path(state_dir: str | os.PathLike[str], job: str) -> Path:
 
 
 def publish(state_dir: str | os.PathLike[str], job: str, status: dict[str, Any]) -> None:
-    atomic.write_json(status_path(state_dir, job), status)
+    atomic.write_json(status_path(state_dir, job), status, durable=False)
 
 
 def read(state_dir: str | os.PathLike[str], job: str) -> dict[str, Any] | None:

@@ -127,9 +127,10 @@ class JobTree:
                 os.kill(pid, sig)
 
     def reap(self) -> dict[int, int]:
-        """Reap those members that are our children; returns pid -> wait status."""
+        """Reap those members that are our children, except the leader (whose
+        status the attempt collects); returns pid -> wait status."""
         done: dict[int, int] = {}
-        for pid in list(self.known):
+        for pid in self.known - {self.leader}:
             try:
                 rpid, status = os.waitpid(pid, os.WNOHANG)
             except ChildProcessError:
