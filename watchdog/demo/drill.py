@@ -21,13 +21,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from faultinject import drills
 from trainwatch.config import from_mapping
 from trainwatch.demo import trainer
 from trainwatch.job import JobRunner
 from trainwatch.ledger import Ledger
 from trainwatch.supervisor import Supervisor
 from trainwatch.types import JobState
+
+from faultinject import drills
 
 JOB = "demo"
 STEPS = 600
@@ -42,11 +43,10 @@ def _config(tmp: Path, seed: int) -> dict[str, Any]:
         "jobs": [
             {
                 "name": JOB,
-                "command": [
-                    sys.executable, "-m", "trainwatch.demo.trainer", "--steps", str(STEPS),
-                    "--ckpt-dir", str(tmp / "ckpt"), "--ckpt-every", str(CKPT_EVERY),
-                    "--journal", str(tmp / "journal.jsonl"), "--seed", str(seed),
-                ],  # fmt: skip
+                "command": [sys.executable, "-m", "trainwatch.demo.trainer",
+                            "--steps", str(STEPS), "--ckpt-dir", str(tmp / "ckpt"),
+                            "--ckpt-every", str(CKPT_EVERY), "--seed", str(seed),
+                            "--journal", str(tmp / "journal.jsonl")],  # fmt: skip
                 "checkpoints": {"dir": str(tmp / "ckpt"), "pattern": "step_{step}.npz"},
                 "heartbeat": {"timeout": HANG_TIMEOUT},
             }
@@ -104,7 +104,7 @@ def _journal(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float) -> bool:
+def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: bool) -> bool:
     ledger = Ledger(tmp / "state", readonly=True)
     incidents = ledger.incidents(JOB)
     ledger.close()
@@ -153,7 +153,7 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float) -> boo
         ok &= same
         print(f"  attempt {e['attempt']} loaded step {e['step']}: parameters {e['digest']} "
               f"{'==' if same else '!='} checkpointed {cp['digest'] if cp else '?'}")  # fmt: skip
-    ref_loss, ref_digest = trainer.reference(seed, STEPS)
+    _, ref_digest = trainer.reference(seed, STEPS)
     if done:
         same = done[-1]["digest"] == ref_digest
         ok &= same
@@ -184,7 +184,7 @@ def run_demo(seed: int = 7, keep: bool = False) -> int:
     finally:
         drill.finished.set()
         drill.join(timeout=1)
-    ok = _report(tmp, seed, drill, rc, time.monotonic() - start)
+    ok = _report(tmp, seed, drill, rc, time.monotonic() - start, keep)
     if not keep and ok:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0 if ok else 1
