@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         state_dir = args.state_dir or (load(args.config).state_dir if args.config
-                                       else default_dirs()[0])  # fmt: skip
+                                       else default_dirs()[0])
         if args.cmd == "crash":
             pid = drills.crash(state_dir, args.job, args.rank)
             print(f"faultinject: SIGKILL sent to pid {pid} of job {args.job}")

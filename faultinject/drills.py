@@ -24,7 +24,7 @@ def job_status(state_dir: str, job: str) -> dict[str, Any]:
     s = jobstatus.read(state_dir, job)
     if s is None:
         raise DrillError(f"{jobstatus.status_path(state_dir, job)}: no status for job {job!r}"
-                         " (is trainwatch supervising it, with this --state-dir?)")  # fmt: skip
+                         " (is trainwatch supervising it, with this --state-dir?)")
     if s.get("state") not in ("starting", "running") or not s.get("pid"):
         raise DrillError(f"job {job!r} is {s.get('state')}, not running")
     return s

@@ -155,7 +155,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
         print("no incidents")
         return 0
     head = ("id", "time", "job", "kind", "rank", "action", "attempt", "detect", "relaunch",
-            "resumed", "lost")  # fmt: skip
+            "resumed", "lost")
     table = [head]
     for r in rows:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"]))
@@ -164,7 +164,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
             str(r["id"]), when, r["job"], r["kind"], _fmt(r["rank"]), action, str(r["attempt"]),
             _fmt(r["detection_latency_s"], "s"), _fmt(r["time_to_relaunch_s"], "s"),
             _fmt(r["resumed_step"]), _fmt(r["steps_lost"]),
-        ))  # fmt: skip
+        ))
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     r = sub.add_parser("run", help="supervise one job in the foreground",
-                       usage="trainwatch run [OPTIONS] -- CMD ...")  # fmt: skip
+                       usage="trainwatch run [OPTIONS] -- CMD ...")
     r.add_argument("--config", help="a YAML config (see config/trainwatch.yaml)")
     r.add_argument("--name", help="the job's name (with --config: which job)")
     r.add_argument("--state-dir", help="ledger, logs and state")
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--checkpoint-pattern", help="checkpoint names, e.g. 'step_{step}' (default)")
     r.add_argument("--resume-arg", action="append", metavar="ARG",
                    help="appended when resuming; repeat; e.g. --resume-arg=--resume "
-                        "--resume-arg={checkpoint}")  # fmt: skip
+                        "--resume-arg={checkpoint}")
     r.add_argument("--heartbeat-timeout", type=_duration, help="e.g. 5m (default 5m)")
     r.add_argument("--startup-timeout", type=_duration, help="until the first beat (default off)")
     r.add_argument("--max-restarts", type=_natural, help="within the window (default 10 in 24h)")

@@ -107,7 +107,7 @@ class Heartbeat:
         returns whether the report was sent. Never raises."""
         try:
             body = {"v": 1, "k": "ckpt", "rank": self.rank if rank is None else rank,
-                    "step": int(step), "path": os.path.abspath(os.fspath(path))}  # fmt: skip
+                    "step": int(step), "path": os.path.abspath(os.fspath(path))}
             data = json.dumps(body, separators=(",", ":")).encode()
         except Exception:
             return False
@@ -140,7 +140,7 @@ class NullHeartbeat:
     dropped = 0
 
     def beat(self, step: int, loss: float | None = None, grad_norm: float | None = None,
-             rank: int | None = None) -> None:  # fmt: skip
+             rank: int | None = None) -> None:
         pass
 
     def checkpoint(self, step: int, path: str | os.PathLike[str], rank: int | None = None) -> bool:

@@ -198,7 +198,7 @@ class JobRunner:
             elif isinstance(obs, CheckpointReport):
                 self.catalog.report(obs.step, obs.path)
                 log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step,
-                         obs.path)  # fmt: skip
+                         obs.path)
 
     def _on_beat(self, b: Beat) -> None:
         if self.state not in (JobState.STARTING, JobState.RUNNING):
@@ -305,7 +305,7 @@ class JobRunner:
         failed_start = not self.ranks.beaten and resumed is not None and self.ever_beaten
         if failed_start and resumed is not None and self.catalog.start_failed(resumed):
             log.warning("job %s: checkpoint step %d marked bad: %s", self.job.name, resumed,
-                        self.catalog.bad[resumed])  # fmt: skip
+                        self.catalog.bad[resumed])
         action = self.policy.action_for(fault.kind)
         if self.config.observe_only:
             reason, delay, fatal = f"observe_only: would {action.value}", None, False
@@ -315,10 +315,10 @@ class JobRunner:
         incident = self.ledger.incident(
             fault, action.value, reason, a.number, max(0.0, now - fault.onset),
             observe_only=self.config.observe_only, backoff=delay,
-        )  # fmt: skip
+        )
         ev = ", ".join(f"{k}={v}" for k, v in fault.evidence.items())
         log.warning("job %s: %s (%s) -> %s: %s", self.job.name, fault.kind.value, ev,
-                    action.value, reason)  # fmt: skip
+                    action.value, reason)
 
         if self.config.observe_only or action is Action.ALERT:
             if exited:
@@ -366,7 +366,7 @@ class JobRunner:
             if alive:
                 if now >= s.deadline and not s.killed:
                     log.warning("job %s: %d processes outlived kill_grace %gs: SIGKILL",
-                                self.job.name, len(alive), self.policy.kill_grace)  # fmt: skip
+                                self.job.name, len(alive), self.policy.kill_grace)
                     a.tree.signal(signal.SIGKILL, alive)
                     s.killed = True
                 return

@@ -98,7 +98,7 @@ class Ledger:
                 int(observe_only), int(injected), attempt, fault.onset_step,
                 detection_latency, backoff,
             ),
-        )  # fmt: skip
+        )
         assert cur.lastrowid is not None
         return cur.lastrowid
 

@@ -46,7 +46,7 @@ def _config(tmp: Path, seed: int) -> dict[str, Any]:
                 "command": [sys.executable, "-m", "trainwatch.demo.trainer",
                             "--steps", str(STEPS), "--ckpt-dir", str(tmp / "ckpt"),
                             "--ckpt-every", str(CKPT_EVERY), "--seed", str(seed),
-                            "--journal", str(tmp / "journal.jsonl")],  # fmt: skip
+                            "--journal", str(tmp / "journal.jsonl")],
                 "checkpoints": {"dir": str(tmp / "ckpt"), "pattern": "step_{step}.npz"},
                 "heartbeat": {"timeout": HANG_TIMEOUT},
             }
@@ -112,7 +112,7 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
     ok = rc == 0
     print()
     print(f"trainwatch demo: a {STEPS}-step MLP under supervision, faults at seeded steps "
-          f"(seed {seed})")  # fmt: skip
+          f"(seed {seed})")
     print()
     for n, inc in enumerate(incidents, 1):
         inj = drill.injected[n - 1] if n - 1 < len(drill.injected) else None
@@ -127,11 +127,11 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
             print(f"  detected       {since:.3f} s after the {inj['kind']} was injected")
             if inc["kind"] == "hang":
                 print(f"                 {inc['detection_latency_s']:.3f} s past the "
-                      f"{HANG_TIMEOUT:g} s heartbeat timeout after the last beat")  # fmt: skip
+                      f"{HANG_TIMEOUT:g} s heartbeat timeout after the last beat")
         if inc["relaunched_at"] is not None:
             backoff = inc["backoff_s"] or 0.0
             print(f"  relaunched     {inc['time_to_relaunch_s']:.3f} s after detection "
-                  f"({backoff:.3f} s of it policy backoff)")  # fmt: skip
+                  f"({backoff:.3f} s of it policy backoff)")
             where = Path(inc["resumed_from"]).name if inc["resumed_from"] else "a fresh start"
             print(f"  resumed from   {where} (step {inc['resumed_step']})")
             print(f"  steps lost     {inc['steps_lost']}")
@@ -141,7 +141,7 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
     done = [e for e in events if e["event"] == "done"]
     attempts = 1 + max((e["attempt"] for e in events), default=0)
     print(f"training: {STEPS} steps done in {attempts} attempts" + (
-        f", final loss {done[-1]['loss']:.5f}" if done else " (did not finish)"))  # fmt: skip
+        f", final loss {done[-1]['loss']:.5f}" if done else " (did not finish)"))
     ok &= bool(done)
     print("proof that training continued from each checkpoint's state:")
     saved = {e["step"]: e for e in events if e["event"] == "checkpoint"}
@@ -152,24 +152,24 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
         same = cp is not None and cp["digest"] == e["digest"]
         ok &= same
         print(f"  attempt {e['attempt']} loaded step {e['step']}: parameters {e['digest']} "
-              f"{'==' if same else '!='} checkpointed {cp['digest'] if cp else '?'}")  # fmt: skip
+              f"{'==' if same else '!='} checkpointed {cp['digest'] if cp else '?'}")
     _, ref_digest = trainer.reference(seed, STEPS)
     if done:
         same = done[-1]["digest"] == ref_digest
         ok &= same
         print(f"  final parameters {done[-1]['digest']} {'==' if same else '!='} "
-              f"an uninterrupted run's {ref_digest}")  # fmt: skip
+              f"an uninterrupted run's {ref_digest}")
     print()
     print(f"demo {'passed' if ok else 'FAILED'} in {elapsed:.1f} s")
     if keep or not ok:
         print(f"ledger, logs and checkpoints: {tmp} "
-              f"(trainwatch incidents --state-dir {tmp / 'state'})")  # fmt: skip
+              f"(trainwatch incidents --state-dir {tmp / 'state'})")
     return ok
 
 
 def run_demo(seed: int = 7, keep: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout)  # fmt: skip
+                        datefmt="%H:%M:%S", stream=sys.stdout)
     # Short, so that the socket path fits in sun_path.
     tmp = Path(tempfile.mkdtemp(prefix="twdemo-"))
     rng = random.Random(seed)

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             save(path, step, loss, params, velocity)
             hb.checkpoint(step, path)
             note(event="checkpoint", step=step, path=str(path), digest=digest(params, velocity),
-                 loss=loss)  # fmt: skip
+                 loss=loss)
         if step % 100 == 0:
             print(f"step {step} loss {loss:.5f}", flush=True)
     note(event="done", step=args.steps, loss=loss, digest=digest(params, velocity))
