@@ -1,0 +1,153 @@
+"""Shared fixtures: a short temp workspace (AF_UNIX paths are limited to 107
+bytes, so not pytest's long tmp_path), a config writer, and a real
+`trainwatch run` process with helpers to wait on its ledger and status."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+WORKER = Path(__file__).parent / "jobs" / "worker.py"
+
+
+@dataclass
+class Workspace:
+    root: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def state(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def ckpt(self) -> Path:
+        return self.root / "ckpt"
+
+    @property
+    def journal(self) -> Path:
+        return self.root / "journal.jsonl"
+
+    def worker(self, *args: str) -> list[str]:
+        """The command line of the scriptable test job."""
+        return [sys.executable, str(WORKER), "--ckpt-dir", str(self.ckpt),
+                "--journal", str(self.journal), *args]
+
+    def config(self, job: dict[str, Any], policy: dict[str, Any] | None = None,
+               **top: Any) -> Path:
+        """Write a config for one job named `job` and return its path."""
+        job = {"name": "job", "checkpoints": {"dir": str(self.ckpt)}, **job}
+        doc: dict[str, Any] = {"state_dir": str(self.state), "run_dir": str(self.root / "run"),
+                               "jobs": [job], **top}
+        pol = {"backoff": {"initial": "0.05s", "max": "1s", "jitter": 0}, "kill_grace": "2s"}
+        pol.update(policy or {})
+        doc["policies"] = {"default": pol}
+        path = self.root / "trainwatch.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    def run(self, config: Path, *extra: str) -> subprocess.Popen[bytes]:
+        """Start `trainwatch run --config` as a real process."""
+        p = subprocess.Popen(
+            [sys.executable, "-m", "trainwatch.cli", "run", "--config", str(config),
+             "--no-passthrough", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        self.procs.append(p)
+        return p
+
+    def events(self) -> list[dict[str, Any]]:
+        if not self.journal.exists():
+            return []
+        return [json.loads(x) for x in self.journal.read_text().splitlines() if x]
+
+    def incidents(self) -> list[dict[str, Any]]:
+        db = self.state / "ledger.db"
+        if not db.exists():
+            return []
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        con.row_factory = sqlite3.Row
+        try:
+            return [dict(r) for r in con.execute("SELECT * FROM incidents ORDER BY id")]
+        except sqlite3.OperationalError:
+            return []
+        finally:
+            con.close()
+
+    def transitions(self) -> list[str]:
+        con = sqlite3.connect(f"file:{self.state / 'ledger.db'}?mode=ro", uri=True)
+        try:
+            return [r[0] for r in con.execute("SELECT to_state FROM transitions ORDER BY id")]
+        finally:
+            con.close()
+
+    def status(self) -> dict[str, Any]:
+        try:
+            return dict(json.loads((self.state / "jobs" / "job" / "status.json").read_text()))
+        except (OSError, ValueError):
+            return {}
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    """Poll until cond() is truthy; fail the test with `what` after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+
+
+def finish(p: subprocess.Popen[bytes], timeout: float = 30.0) -> tuple[int, str]:
+    """Wait for a trainwatch process; its exit code and output."""
+    out, _ = p.communicate(timeout=timeout)
+    return p.returncode, out.decode(errors="replace")
+
+
+def pid_gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def ws() -> Iterator[Workspace]:
+    root = Path(tempfile.mkdtemp(prefix="tw", dir="/tmp"))
+    w = Workspace(root)
+    w.ckpt.mkdir()
+    yield w
+    for p in w.procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if p.stdout:
+            p.stdout.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_trainwatch_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(os.environ):
+        if k.startswith("TRAINWATCH_"):
+            monkeypatch.delenv(k)
