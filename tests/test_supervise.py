@@ -260,3 +260,22 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
                              if p.parent != root / "watchdog" else "")
              for p in (root / "watchdog").rglob("__init__.py")}
     assert found <= listed, found - listed
+
+
+def test_a_second_trainwatch_for_the_same_job_is_refused(ws: Workspace) -> None:
+    """While one trainwatch supervises a job, another on the same run_dir exits 2 in one line."""
+    cfg = ws.config({"command": ["sleep", "30"]})
+    first = ws.run(cfg)
+    wait_for(lambda: ws.status().get("state") == "starting", what="the first to start")
+    _one_line_error(["run", "--config", str(cfg)], "already supervised")
+    assert first.poll() is None  # the first one is untouched
+
+
+def test_demo_recovers_from_a_crash_and_a_hang() -> None:
+    """`trainwatch demo` injects both faults, recovers, and proves continuity (exit 0)."""
+    p = subprocess.run([sys.executable, "-m", "trainwatch.cli", "demo"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "incident 1: crash (SIGKILL)" in p.stdout
+    assert "incident 2: hang (rank 0 silent" in p.stdout
+    assert "== an uninterrupted run's" in p.stdout and "demo passed" in p.stdout

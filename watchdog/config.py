@@ -171,11 +171,11 @@ class _Reader:
         if got is _MISSING:
             shown = "nothing"
         elif isinstance(got, _Said):
-            shown = str(got)
+            shown = str(got)  # composed by the caller, already short
         else:
             shown = repr(got)
-        if len(shown) > 60:
-            shown = shown[:57] + "..."
+            if len(shown) > 60:
+                shown = shown[:57] + "..."
         return ConfigError(f"{self.source}: {path}: expected {expected}, got {shown}")
 
     def mapping(self, value: object, path: str, keys: set[str]) -> dict[str, Any]:
@@ -389,7 +389,7 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
     keys = {
         "name", "command", "workdir", "user", "env", "resume_args", "checkpoints",
         "heartbeat", "policy",
-    }
+    }  # fmt: skip
     m = r.mapping(raw, path, keys)
     if not m:
         raise r.fail(path, "a mapping with name and command", raw)
@@ -502,13 +502,16 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
 
 
 def _check_socket_paths(r: _Reader, run_dir: str, jobs: tuple[Job, ...]) -> None:
+    """Each job's socket, run_dir/<name>.sock, must fit in sockaddr_un.sun_path."""
     for i, j in enumerate(jobs):
         if len(os.fsencode(socket_path(run_dir, j.name))) > MAX_SOCKET_PATH:
+            most = MAX_SOCKET_PATH - len(os.fsencode(socket_path(run_dir, j.name)))
+            most += len(os.fsencode(run_dir))
             raise r.fail(
                 "run_dir",
-                f"a path short enough that {j.name}.sock (jobs[{i}]) in it fits an AF_UNIX"
-                f" socket path ({MAX_SOCKET_PATH} bytes)",
-                _Said(f"{run_dir} ({len(os.fsencode(run_dir))} bytes)"),
+                f"a path of at most {most} bytes, so that jobs[{i}]'s socket {j.name}.sock"
+                f" fits an AF_UNIX address ({MAX_SOCKET_PATH} bytes)",
+                _Said(f"{len(os.fsencode(run_dir))} bytes: {run_dir!r}"),
             )
 
 
@@ -537,6 +540,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    def __init__(self, key: object, mark: yaml.Mark) -> None:
+        super().__init__(None, None, f"{key!r} again", mark)
+
+
 def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
     for key_node, _ in node.value:
@@ -546,9 +554,7 @@ def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any
         except TypeError:  # an unhashable key; construct_mapping reports it
             continue
         if duplicate:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"the key {key!r} twice in one mapping", key_node.start_mark
-            )
+            raise _DuplicateKey(key, key_node.start_mark)
         seen.add(key)
     return loader.construct_mapping(node)
 
@@ -575,7 +581,10 @@ def load(path: str | os.PathLike[str]) -> Config:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "top level"
-        problem = getattr(e, "problem", None) or "invalid YAML"
+        if isinstance(e, _DuplicateKey):
+            raise ConfigError(f"{p}: {where}: expected each key once, got {e.problem}") from None
+        said = [getattr(e, "context", None), getattr(e, "problem", None)]
+        problem = ", ".join(x for x in said if x) or str(e)
         raise ConfigError(f"{p}: {where}: expected valid YAML, got an error: {problem}") from None
     config = _resolve(from_mapping(raw, str(p)), p.resolve().parent)
     # A relative run_dir is only as long as it is once resolved.

@@ -16,9 +16,10 @@ from collections.abc import Callable
 from types import FrameType
 
 from trainwatch import tree
-from trainwatch.config import Config, Job
+from trainwatch.config import Config, ConfigError, Job
 from trainwatch.job import JobRunner
 from trainwatch.ledger import Ledger
+from trainwatch.sources.heartbeat import SocketInUse
 
 log = logging.getLogger("trainwatch")
 
@@ -39,10 +40,15 @@ class Supervisor:
         os.makedirs(config.run_dir, mode=0o755, exist_ok=True)
         self.ledger = Ledger(config.state_dir)
         self.sel = selectors.DefaultSelector()
-        self.runners = [
-            JobRunner(config, j, self.ledger, self.sel, passthrough, clock)
-            for j in (jobs if jobs is not None else config.jobs)
-        ]
+        self.runners: list[JobRunner] = []
+        try:
+            for j in jobs if jobs is not None else config.jobs:
+                self.runners.append(JobRunner(config, j, self.ledger, self.sel, passthrough, clock))
+        except SocketInUse as e:
+            for r in self.runners:
+                r.close()
+            self.ledger.close()
+            raise ConfigError(f"{e}: is job {j.name!r} already supervised?") from None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
         self.stop_signal: int | None = None

@@ -80,6 +80,21 @@ def parse(data: bytes, pid: int, at: float) -> Observation:
     raise ValueError(f"unknown kind {kind!r}")
 
 
+class SocketInUse(OSError):
+    """The job's socket belongs to a live listener: the job is already supervised."""
+
+
+def _listening(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False  # absent, or a stale file nobody is bound to
+    finally:
+        probe.close()
+
+
 class HeartbeatSocket:
     """The listening end for one job. Register ``fileno()`` with a selector and
     call ``drain()`` when it is readable."""
@@ -89,6 +104,8 @@ class HeartbeatSocket:
         self.believe = believe
         self.clock = clock
         self.counters = Counters()
+        if _listening(path):
+            raise SocketInUse(f"{path}: another trainwatch is listening here")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a stale socket from a previous run
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
