@@ -51,7 +51,7 @@ _RUNNING_WITHOUT_BEATS = 10.0
 # The published status carries the step at most this often.
 _PUBLISH_EVERY = 1.0
 # While stopping, look at the tree this often.
-_STOP_POLL = 0.02
+_STOP_POLL = 0.05
 # Without a pidfd (kernels before 5.3), poll the leader this often.
 _EXIT_POLL = 0.1
 
@@ -159,8 +159,9 @@ class JobRunner:
                 self.dir / "logs",
                 self.passthrough,
             )
-        except OSError as e:
-            what = f"{self.job.command[0]}: cannot start: {e.strerror or e}"
+        except (OSError, KeyError) as e:  # KeyError: no such user
+            why = e.strerror if isinstance(e, OSError) and e.strerror else f"no such user {e}"
+            what = f"{self.job.command[0]}: cannot start: {why}"
             if self.number == 0:
                 raise ConfigError(f"jobs.{self.job.name}.command: {what}") from None
             log.error("job %s: %s", self.job.name, what)
@@ -189,7 +190,7 @@ class JobRunner:
 
     def _believe(self, pid: int, uid: int) -> bool:
         a = self.attempt
-        return a is not None and a.returncode is None and a.tree.owns(pid, uid)
+        return a is not None and a.tree.owns(pid, uid)
 
     def _on_socket(self, _fd: int) -> None:
         for obs in self.socket.drain():
