@@ -160,7 +160,9 @@ class JobRunner:
                 self.passthrough,
             )
         except (OSError, KeyError) as e:  # KeyError: no such user
-            why = e.strerror if isinstance(e, OSError) and e.strerror else f"no such user {self.job.user!r}"
+            why = f"no such user {self.job.user!r}"
+            if isinstance(e, OSError):
+                why = e.strerror or str(e)
             what = f"{self.job.command[0]}: cannot start: {why}"
             if self.number == 0:
                 raise ConfigError(f"jobs.{self.job.name}.command: {what}") from None
