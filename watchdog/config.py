@@ -389,7 +389,7 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
     keys = {
         "name", "command", "workdir", "user", "env", "resume_args", "checkpoints",
         "heartbeat", "policy",
-    }  # fmt: skip
+    }
     m = r.mapping(raw, path, keys)
     if not m:
         raise r.fail(path, "a mapping with name and command", raw)
