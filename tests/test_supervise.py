@@ -35,11 +35,27 @@ def test_stopped_job_is_detected_as_hang_and_relaunched(ws: Workspace) -> None:
     """SIGSTOP from `faultinject hang` silences the beats: a hang, and a relaunch."""
     cfg = ws.config({"command": ws.worker("--steps", "150"), "heartbeat": {"timeout": "1s"}})
     p = ws.run(cfg)
-    wait_for(lambda: (ws.status().get("step") or 0) >= 15 and ws.status().get("ranks"),
-             what="the job to beat")
-    fi = subprocess.run([sys.executable, "-m", "faultinject.cli", "hang", "--job", "job",
-                         "--state-dir", str(ws.state), "--rank", "0"],
-                        capture_output=True, text=True, check=False)
+    wait_for(
+        lambda: (ws.status().get("step") or 0) >= 15 and ws.status().get("ranks"),
+        what="the job to beat",
+    )
+    fi = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "faultinject.cli",
+            "hang",
+            "--job",
+            "job",
+            "--state-dir",
+            str(ws.state),
+            "--rank",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert fi.returncode == 0, fi.stderr
     rc, out = finish(p)
     assert rc == 0, out
@@ -73,8 +89,10 @@ def test_double_forked_descendant_is_killed_before_relaunch(ws: Workspace) -> No
 
 def test_job_that_dies_at_once_spends_budget_with_backoff_and_ends_fatal(ws: Workspace) -> None:
     """Exit 1 at once: 3 restarts with doubling backoff, then fatal and exit code 1."""
-    cfg = ws.config({"command": ["sh", "-c", "exit 1"]},
-                    {"max_restarts": 3, "backoff": {"initial": "0.1s", "factor": 2, "jitter": 0}})
+    cfg = ws.config(
+        {"command": ["sh", "-c", "exit 1"]},
+        {"max_restarts": 3, "backoff": {"initial": "0.1s", "factor": 2, "jitter": 0}},
+    )
     rc, out = finish(ws.run(cfg))
     assert rc == 1, out
     incs = ws.incidents()
@@ -91,8 +109,12 @@ def test_half_written_newest_checkpoint_is_skipped(ws: Workspace) -> None:
     (ws.ckpt / "step_10").write_text("10")
     (ws.ckpt / "step_10.done").write_text("")
     (ws.ckpt / "step_20").write_text("2")  # still being written: no marker
-    cfg = ws.config({"command": ws.worker("--steps", "12", "--no-report"),
-                     "checkpoints": {"dir": str(ws.ckpt), "marker": ".done"}})
+    cfg = ws.config(
+        {
+            "command": ws.worker("--steps", "12", "--no-report"),
+            "checkpoints": {"dir": str(ws.ckpt), "marker": ".done"},
+        }
+    )
     rc, out = finish(ws.run(cfg))
     assert rc == 0, out
     [start] = [e for e in ws.events() if e["event"] == "start"]
@@ -101,15 +123,21 @@ def test_half_written_newest_checkpoint_is_skipped(ws: Workspace) -> None:
 
 def test_checkpoint_that_crashes_the_job_on_load_is_marked_bad(ws: Workspace) -> None:
     """Dying before the first beat twice from step_20 marks it bad (kept on disk); step_10 next."""
-    cfg = ws.config({
-        "command": ws.worker("--steps", "30", "--crash-at", "25", "--fail-on-load", "20"),
-        "checkpoints": {"dir": str(ws.ckpt), "bad_after": 2},
-    })
+    cfg = ws.config(
+        {
+            "command": ws.worker("--steps", "30", "--crash-at", "25", "--fail-on-load", "20"),
+            "checkpoints": {"dir": str(ws.ckpt), "bad_after": 2},
+        }
+    )
     rc, out = finish(ws.run(cfg))
     assert rc == 0, out
     loads = [e for e in ws.events() if e["event"] in ("start", "load_failed")]
     assert [(e["event"], e["step"]) for e in loads] == [
-        ("start", 0), ("load_failed", 20), ("load_failed", 20), ("start", 10)]
+        ("start", 0),
+        ("load_failed", 20),
+        ("load_failed", 20),
+        ("start", 10),
+    ]
     catalog = json.loads((ws.state / "jobs" / "job" / "catalog.json").read_text())
     assert list(catalog["bad"]) == ["20"]
     assert (ws.ckpt / "step_20").read_text() == "20"  # marked bad, never deleted
@@ -120,9 +148,19 @@ def test_observe_only_never_signals_the_job(ws: Workspace) -> None:
     """observe_only records the hang but sends nothing: no SIGTERM, no SIGSTOP, no relaunch."""
     trapped = ws.root / "sigterm"
     cfg = ws.config(
-        {"command": ws.worker("--steps", "20", "--silent-at", "10", "--silent-for", "2.5",
-                              "--trap-term", str(trapped)),
-         "heartbeat": {"timeout": "0.5s"}},
+        {
+            "command": ws.worker(
+                "--steps",
+                "20",
+                "--silent-at",
+                "10",
+                "--silent-for",
+                "2.5",
+                "--trap-term",
+                str(trapped),
+            ),
+            "heartbeat": {"timeout": "0.5s"},
+        },
         observe_only=True,
     )
     rc, out = finish(ws.run(cfg))
@@ -139,8 +177,9 @@ def test_ctrl_c_stops_the_whole_tree_and_exits_130(ws: Workspace) -> None:
     """SIGINT to trainwatch stops every rank of the job, ends paused, and exits 130."""
     cfg = ws.config({"command": ws.worker("--steps", "100000", "--ranks", "3")})
     p = ws.run(cfg)
-    ranks = wait_for(lambda: len(ws.status().get("ranks", {})) == 3 and ws.status()["ranks"],
-                     what="three ranks")
+    ranks = wait_for(
+        lambda: len(ws.status().get("ranks", {})) == 3 and ws.status()["ranks"], what="three ranks"
+    )
     p.send_signal(signal.SIGINT)
     rc, out = finish(p)
     assert rc == 130, out
@@ -150,13 +189,29 @@ def test_ctrl_c_stops_the_whole_tree_and_exits_130(ws: Workspace) -> None:
 
 def test_faultinject_hang_on_one_rank_names_that_rank(ws: Workspace) -> None:
     """Stopping rank 2 of 3 gives a hang incident for rank 2 (pids come from SO_PASSCRED)."""
-    cfg = ws.config({"command": ws.worker("--steps", "200", "--ranks", "3"),
-                     "heartbeat": {"timeout": "1s"}}, {"max_restarts": 0})
+    cfg = ws.config(
+        {"command": ws.worker("--steps", "200", "--ranks", "3"), "heartbeat": {"timeout": "1s"}},
+        {"max_restarts": 0},
+    )
     p = ws.run(cfg)
     wait_for(lambda: len(ws.status().get("ranks", {})) == 3, what="three ranks")
-    fi = subprocess.run([sys.executable, "-m", "faultinject.cli", "hang", "--job", "job",
-                         "--state-dir", str(ws.state), "--rank", "2"],
-                        capture_output=True, text=True, check=False)
+    fi = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "faultinject.cli",
+            "hang",
+            "--job",
+            "job",
+            "--state-dir",
+            str(ws.state),
+            "--rank",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert fi.returncode == 0, fi.stderr
     rc, out = finish(p)
     assert rc == 1, out  # max_restarts 0: the hang is fatal
@@ -175,8 +230,9 @@ def test_job_without_client_is_never_killed_for_not_beating(ws: Workspace) -> No
 
 def test_startup_timeout_catches_a_job_that_never_beats(ws: Workspace) -> None:
     """With startup_timeout set, an attempt that never beats is a hang."""
-    cfg = ws.config({"command": ["sleep", "30"], "heartbeat": {"startup_timeout": "0.5s"}},
-                    {"max_restarts": 0})
+    cfg = ws.config(
+        {"command": ["sleep", "30"], "heartbeat": {"startup_timeout": "0.5s"}}, {"max_restarts": 0}
+    )
     rc, out = finish(ws.run(cfg))
     assert rc == 1, out
     [inc] = ws.incidents()
@@ -186,8 +242,13 @@ def test_startup_timeout_catches_a_job_that_never_beats(ws: Workspace) -> None:
 def test_job_output_goes_to_a_per_attempt_log_and_through(ws: Workspace) -> None:
     """stdout and stderr land in state_dir/jobs/<job>/logs and, by default, on our own output."""
     cfg = ws.config({"command": ["sh", "-c", "echo to-out; echo to-err >&2"]})
-    p = subprocess.run([sys.executable, "-m", "trainwatch.cli", "run", "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=30, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "trainwatch.cli", "run", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert p.returncode == 0, p.stderr
     assert "to-out" in p.stdout and "to-err" in p.stderr
     [log] = (ws.state / "jobs" / "job" / "logs").iterdir()
@@ -197,18 +258,43 @@ def test_job_output_goes_to_a_per_attempt_log_and_through(ws: Workspace) -> None
 def test_run_with_flags_alone(ws: Workspace) -> None:
     """`trainwatch run` without a config takes the DESIGN flags and the command after --."""
     p = subprocess.run(
-        [sys.executable, "-m", "trainwatch.cli", "run", "--name", "flags",
-         "--state-dir", str(ws.state), "--run-dir", str(ws.root / "run"),
-         "--checkpoint-dir", str(ws.ckpt), "--heartbeat-timeout", "30s", "--max-restarts", "2",
-         "--", *ws.worker("--steps", "20", "--crash-at", "15")],
-        capture_output=True, text=True, timeout=60, check=False)
+        [
+            sys.executable,
+            "-m",
+            "trainwatch.cli",
+            "run",
+            "--name",
+            "flags",
+            "--state-dir",
+            str(ws.state),
+            "--run-dir",
+            str(ws.root / "run"),
+            "--checkpoint-dir",
+            str(ws.ckpt),
+            "--heartbeat-timeout",
+            "30s",
+            "--max-restarts",
+            "2",
+            "--",
+            *ws.worker("--steps", "20", "--crash-at", "15"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert p.returncode == 0, p.stderr
     assert [e["step"] for e in ws.events() if e["event"] == "start"] == [0, 10]
 
 
 def _one_line_error(args: list[str], expect: str) -> None:
-    p = subprocess.run([sys.executable, "-m", "trainwatch.cli", *args],
-                       capture_output=True, text=True, timeout=30, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "trainwatch.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert p.returncode == 2, (p.stdout, p.stderr)
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert expect in p.stderr and "Traceback" not in p.stderr
@@ -221,8 +307,10 @@ def test_run_usage_errors_are_one_line_and_exit_2(ws: Workspace) -> None:
     _one_line_error([*base, "--heartbeat-timeout", "soon", "--", "true"], "expected a duration")
     _one_line_error([*base, "--max-restarts", "-1", "--", "true"], "expected an integer >= 0")
     _one_line_error([*base, "--", "/nonexistent/train"], "/nonexistent/train: cannot start")
-    _one_line_error(["run", "--config", str(ws.root / "missing.yaml"), "--", "true"],
-                    "missing.yaml: cannot read")
+    _one_line_error(
+        ["run", "--config", str(ws.root / "missing.yaml"), "--", "true"],
+        "missing.yaml: cannot read",
+    )
     _one_line_error(["incidents", "--state-dir", str(ws.root / "nowhere")], "no ledger here")
 
 
@@ -230,21 +318,49 @@ def test_incidents_lists_the_ledger(ws: Workspace) -> None:
     """`trainwatch incidents` prints a table, and --json the full rows."""
     cfg = ws.config({"command": ws.worker("--steps", "30", "--crash-at", "25")})
     assert finish(ws.run(cfg))[0] == 0
-    table = subprocess.run([sys.executable, "-m", "trainwatch.cli", "incidents",
-                            "--state-dir", str(ws.state)],
-                           capture_output=True, text=True, check=True).stdout
+    table = subprocess.run(
+        [sys.executable, "-m", "trainwatch.cli", "incidents", "--state-dir", str(ws.state)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "crash" in table and "restart" in table
-    rows = json.loads(subprocess.run(
-        [sys.executable, "-m", "trainwatch.cli", "incidents", "--state-dir", str(ws.state),
-         "--json"], capture_output=True, text=True, check=True).stdout)
+    rows = json.loads(
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trainwatch.cli",
+                "incidents",
+                "--state-dir",
+                str(ws.state),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     assert rows[0]["kind"] == "crash" and rows[0]["resumed_step"] == 20
 
 
 def test_faultinject_on_an_unknown_job_is_one_line(ws: Workspace) -> None:
     """faultinject against a job trainwatch does not know: one line, exit 2."""
-    p = subprocess.run([sys.executable, "-m", "faultinject.cli", "crash", "--job", "nope",
-                        "--state-dir", str(ws.state)],
-                       capture_output=True, text=True, check=False)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "faultinject.cli",
+            "crash",
+            "--job",
+            "nope",
+            "--state-dir",
+            str(ws.state),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
     assert "no status for job 'nope'" in p.stderr
 
@@ -254,11 +370,18 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
     import tomllib
 
     root = Path(__file__).parent.parent
-    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
-                 ["packages"])
-    found = {"trainwatch" + ("." + ".".join(p.parent.relative_to(root / "watchdog").parts)
-                             if p.parent != root / "watchdog" else "")
-             for p in (root / "watchdog").rglob("__init__.py")}
+    listed = set(
+        tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        "trainwatch"
+        + (
+            "." + ".".join(p.parent.relative_to(root / "watchdog").parts)
+            if p.parent != root / "watchdog"
+            else ""
+        )
+        for p in (root / "watchdog").rglob("__init__.py")
+    }
     assert found <= listed, found - listed
 
 
@@ -273,9 +396,29 @@ def test_a_second_trainwatch_for_the_same_job_is_refused(ws: Workspace) -> None:
 
 def test_demo_recovers_from_a_crash_and_a_hang() -> None:
     """`trainwatch demo` injects both faults, recovers, and proves continuity (exit 0)."""
-    p = subprocess.run([sys.executable, "-m", "trainwatch.cli", "demo"],
-                       capture_output=True, text=True, timeout=120, check=False)
+    p = subprocess.run(
+        [sys.executable, "-m", "trainwatch.cli", "demo"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "incident 1: crash (SIGKILL)" in p.stdout
     assert "incident 2: hang (rank 0 silent" in p.stdout
     assert "== an uninterrupted run's" in p.stdout and "demo passed" in p.stdout
+
+
+def test_daemon_supervises_every_job_of_its_config(ws: Workspace) -> None:
+    """`trainwatch daemon` runs each configured job under the same loop; one crash, both finish."""
+    import yaml
+
+    cfg = ws.config({"command": ws.worker("--steps", "20", "--crash-at", "15")})
+    doc = yaml.safe_load(cfg.read_text())
+    doc["jobs"].append({"name": "other", "command": ["sh", "-c", "sleep 0.5"]})
+    cfg.write_text(yaml.safe_dump(doc))
+    p = subprocess.run([sys.executable, "-m", "trainwatch.cli", "daemon", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    assert [i["job"] for i in ws.incidents()] == ["job"]
+    assert "job other: stopping -> exited" in p.stderr

@@ -23,6 +23,8 @@ from trainwatch.config import (
 )
 from trainwatch.ledger import Ledger
 
+DEFAULT_CONFIG = "/etc/trainwatch/trainwatch.yaml"
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
@@ -122,6 +124,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return Supervisor(config, passthrough=not args.no_passthrough).run()
 
 
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from trainwatch.supervisor import Supervisor
+
+    config = load(args.config)
+    _setup_logging(False)
+    return Supervisor(config).run()
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = load(args.file)
     names = ", ".join(j.name for j in config.jobs)
@@ -212,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-q", "--quiet", action="store_true", help="only warnings from trainwatch")
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     r.set_defaults(fn=cmd_run)
+
+    dm = sub.add_parser("daemon", help="supervise every job of a config (the service)")
+    dm.add_argument("--config", default=DEFAULT_CONFIG, help=f"default {DEFAULT_CONFIG}")
+    dm.set_defaults(fn=cmd_daemon)
 
     c = sub.add_parser("check-config", help="validate a config file")
     c.add_argument("file")
