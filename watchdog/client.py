@@ -57,15 +57,18 @@ class Heartbeat:
 
     def _connect(self) -> None:
         self._last_try = time.monotonic()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        s: socket.socket | None = None
         try:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
             s.setblocking(False)
             s.connect(self._path)
         except OSError:
-            self._sock = None
+            if s is not None:
+                s.close()  # not left to the garbage collector: no fd kept, no ResourceWarning
             return
-        if self._sock is not None:
-            self._sock.close()
         self._sock = s
 
     def _send(self, data: bytes) -> bool:

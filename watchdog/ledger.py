@@ -8,6 +8,7 @@ import json
 import os
 import sqlite3
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,8 @@ class Ledger:
         if readonly:
             if not path.exists():
                 raise FileNotFoundError(path)
-            self.db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+            uri = f"file:{urllib.parse.quote(str(path))}?mode=ro"
+            self.db = sqlite3.connect(uri, uri=True, timeout=5)
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(path, timeout=5, isolation_level=None)

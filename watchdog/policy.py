@@ -34,7 +34,9 @@ class RestartHistory:
 def backoff_delay(policy: Policy, consecutive: int, rng: random.Random) -> float:
     b = policy.backoff
     base = min(b.max, b.initial * b.factor**consecutive)
-    return max(0.0, base * (1 + rng.uniform(-b.jitter, b.jitter)))
+    # Jittered around the base but never past the cap, so that at the cap the
+    # delays still spread (downwards).
+    return min(b.max, max(0.0, base * (1 + rng.uniform(-b.jitter, b.jitter))))
 
 
 def decide(
