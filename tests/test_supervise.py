@@ -422,3 +422,28 @@ def test_daemon_supervises_every_job_of_its_config(ws: Workspace) -> None:
     assert p.returncode == 0, p.stderr
     assert [i["job"] for i in ws.incidents()] == ["job"]
     assert "job other: stopping -> exited" in p.stderr
+
+
+def test_dropped_datagrams_are_counted_in_the_published_status(ws: Workspace) -> None:
+    """Garbage and oversized datagrams to a live job's socket are dropped, counted, survived."""
+    import socket
+
+    cfg = ws.config({"command": ws.worker("--steps", "100000")})
+    p = ws.run(cfg)
+    sock_path = wait_for(lambda: ws.status().get("state") == "running" and ws.status()["socket"],
+                         what="the job to run")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(b"not json", sock_path)
+        s.sendto(b'{"v":1,"k":"beat","step":"x"}', sock_path)
+        s.sendto(b"x" * 5000, sock_path)
+    counts = wait_for(lambda: (ws.status().get("datagrams") or {}).get("oversized") == 1
+                      and ws.status()["datagrams"], what="the counters to be published")
+    assert counts["malformed"] == 2
+    assert p.poll() is None  # survived
+    rc, out = finish_interrupted(p)
+    assert rc == 130 and "dropped a malformed datagram" in out
+
+
+def finish_interrupted(p: subprocess.Popen[bytes]) -> tuple[int, str]:
+    p.send_signal(signal.SIGINT)
+    return finish(p)

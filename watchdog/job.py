@@ -15,6 +15,7 @@ job's processes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import selectors
@@ -134,6 +135,7 @@ class JobRunner:
                 "log": str(a.log_path) if a else None,
                 "resumed_from": a.resume_from if a else None,
                 "observe_only": self.config.observe_only,
+                "datagrams": dataclasses.asdict(self.socket.counters),
             },
         )
 
@@ -195,7 +197,15 @@ class JobRunner:
         return a is not None and a.tree.owns(pid, uid)
 
     def _on_socket(self, _fd: int) -> None:
-        for obs in self.socket.drain():
+        c = self.socket.counters
+        before = (c.malformed, c.oversized, c.foreign)
+        observations = self.socket.drain()
+        for what, old, new in zip(("malformed", "oversized", "foreign"), before,
+                                  (c.malformed, c.oversized, c.foreign), strict=True):
+            if old == 0 and new > 0:  # the first of its kind; the rest are only counted
+                log.warning("job %s: dropped a %s datagram on %s", self.job.name, what,
+                            self.socket_path)
+        for obs in observations:
             if isinstance(obs, Beat):
                 self._on_beat(obs)
             elif isinstance(obs, CheckpointReport):
