@@ -78,6 +78,7 @@ class Attempt:
             close_fds=True,
         )
         self.started = time.monotonic()
+        self._alive_at = self.started
         self.started_wall = time.time()
         self.pid = self.proc.pid
         self.tree = JobTree(job.name, self.pid)
@@ -129,10 +130,15 @@ class Attempt:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
             pid, status = self.pid, 0  # reaped elsewhere: nothing more to learn
+        now = time.monotonic()
         if pid == 0:
+            self._alive_at = now
             return None
         self.returncode = os.waitstatus_to_exitcode(status)
-        self.exited_at = time.monotonic()
+        # With a pidfd we are woken at the exit itself; when polling, the exit
+        # happened after the last poll that saw it alive: take that, so the
+        # ledger's detection latency includes the polling delay.
+        self.exited_at = now if self.pidfd is not None else self._alive_at
         self.proc.returncode = self.returncode  # keep Popen consistent; we reaped it
         return self.returncode
 
