@@ -140,6 +140,8 @@ def test_checkpoint_that_crashes_the_job_on_load_is_marked_bad(ws: Workspace) ->
     ]
     catalog = json.loads((ws.state / "jobs" / "job" / "catalog.json").read_text())
     assert list(catalog["bad"]) == ["20"]
+    # reached 25 -> back to 20; failed at 20 -> 20 again; failed at 20 -> back to 10
+    assert [i["steps_lost"] for i in ws.incidents()] == [5, 0, 10]
     assert (ws.ckpt / "step_20").read_text() == "20"  # marked bad, never deleted
     assert "marked bad" in out
 

@@ -98,7 +98,7 @@ class JobRunner:
         self.number = -1
         self.ranks = Ranks(started=clock())
         self.ever_beaten = False
-        self.last_step: int | None = None
+        self.last_step: int | None = None  # the step this attempt has reached
         self.hang_latched = False  # a hang already reported and not acted on
         self.stopping: _Stop | None = None
         self.relaunch_at = 0.0
@@ -180,6 +180,7 @@ class JobRunner:
         self.attempt = a
         self.ranks = Ranks(started=a.started)
         self.hang_latched = False
+        reached, self.last_step = self.last_step, cp.step if cp else None
         if a.pidfd is not None:
             self.sel.register(a.pidfd, selectors.EVENT_READ, self._on_exit_ready)
         for fd in a.pipes:
@@ -187,9 +188,8 @@ class JobRunner:
         where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
         self._to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
         if self.pending_incident is not None:
-            lost = None
-            if self.last_step is not None:
-                lost = max(0, self.last_step - (cp.step if cp else 0))
+            # The faulted attempt reached `reached`; this one starts over at cp.
+            lost = None if reached is None else max(0, reached - (cp.step if cp else 0))
             self.ledger.relaunched(
                 self.pending_incident,
                 Relaunch(a.started_wall, a.resume_from, a.resumed_step, lost),
