@@ -69,6 +69,14 @@ class Workspace:
         self.procs.append(p)
         return p
 
+    def faultinject(self, *args: str, job: str = "job") -> subprocess.CompletedProcess[str]:
+        """Run the real `faultinject` CLI against this workspace's trainwatch."""
+        return subprocess.run(
+            [sys.executable, "-m", "faultinject.cli", args[0], "--job", job,
+             "--state-dir", str(self.state), *args[1:]],
+            capture_output=True, text=True, timeout=30, check=False,
+        )
+
     def events(self) -> list[dict[str, Any]]:
         if not self.journal.exists():
             return []

@@ -39,23 +39,7 @@ def test_stopped_job_is_detected_as_hang_and_relaunched(ws: Workspace) -> None:
         lambda: (ws.status().get("step") or 0) >= 15 and ws.status().get("ranks"),
         what="the job to beat",
     )
-    fi = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "faultinject.cli",
-            "hang",
-            "--job",
-            "job",
-            "--state-dir",
-            str(ws.state),
-            "--rank",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    fi = ws.faultinject("hang", "--rank", "0")
     assert fi.returncode == 0, fi.stderr
     rc, out = finish(p)
     assert rc == 0, out
@@ -197,23 +181,7 @@ def test_faultinject_hang_on_one_rank_names_that_rank(ws: Workspace) -> None:
     )
     p = ws.run(cfg)
     wait_for(lambda: len(ws.status().get("ranks", {})) == 3, what="three ranks")
-    fi = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "faultinject.cli",
-            "hang",
-            "--job",
-            "job",
-            "--state-dir",
-            str(ws.state),
-            "--rank",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    fi = ws.faultinject("hang", "--rank", "2")
     assert fi.returncode == 0, fi.stderr
     rc, out = finish(p)
     assert rc == 1, out  # max_restarts 0: the hang is fatal
@@ -348,21 +316,7 @@ def test_incidents_lists_the_ledger(ws: Workspace) -> None:
 
 def test_faultinject_on_an_unknown_job_is_one_line(ws: Workspace) -> None:
     """faultinject against a job trainwatch does not know: one line, exit 2."""
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "faultinject.cli",
-            "crash",
-            "--job",
-            "nope",
-            "--state-dir",
-            str(ws.state),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    p = ws.faultinject("crash", job="nope")
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
     assert "no status for job 'nope'" in p.stderr
 
