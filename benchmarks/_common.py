@@ -107,6 +107,27 @@ def machine_line() -> str:
     )
 
 
+def schedstat_ns(pid: int) -> int:
+    """Total on-CPU time of every thread of ``pid``, in ns (/proc/<pid>/task/*/schedstat)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int((task / "schedstat").read_text().split()[0])
+    return total
+
+
+def voluntary_switches(pid: int) -> int:
+    """Voluntary context switches of every thread of ``pid``: how often it went to sleep
+    (each one followed by a wake-up)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
+
+
 def write_json(path: str | None, obj: dict[str, Any]) -> None:
     if path:
         Path(path).write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))

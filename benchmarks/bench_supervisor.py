@@ -24,7 +24,6 @@ idle baseline (the job beats never). Goals (issue): ≤ 1 % of a core, ≤ 60 MB
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from _common import (
     machine,
     machine_line,
     remove,
+    schedstat_ns,
     scratch_dir,
     summarize,
     write_config,
@@ -77,15 +77,6 @@ sys.exit(1)
 """
 CPU_GOAL_PCT = 1.0
 RSS_GOAL_MB = 60.0
-
-
-def schedstat_ns(pid: int) -> int:
-    """Total on-CPU time of every thread of ``pid``, in ns."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            total += int((task / "schedstat").read_text().split()[0])
-    return total
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,14 +1,15 @@
 """Run every benchmark and print a compact summary table (``make bench``).
 
-How: runs ``bench_beat.py``, ``bench_recovery.py`` and ``bench_supervisor.py``
-one after another as subprocesses of this interpreter (so one cannot disturb
-the next), each writing its figures as JSON to a temp file; their own output
-is shown as it comes, then one table: median, p99 (or max where there are
-fewer than 50 samples), the number of samples, the issue's goal and whether
-it is met. The machine (nproc, Python) and the load average before and after
-are printed, with any other process that was busy at the start, because the
-figures are only as quiet as the machine. About 1.5 to 2 minutes with the
-defaults.
+How: runs ``bench_beat.py`` (headline first: beat() in a real job under
+``trainwatch run``; then the isolated-reader figures), ``bench_recovery.py``
+and ``bench_supervisor.py`` one after another as subprocesses of this
+interpreter (so one cannot disturb the next), each writing its figures as
+JSON to a temp file; their own output is shown as it comes, then one table:
+median, p99 (or max where there are fewer than 50 samples), the number of
+samples, the issue's goal and whether it is met. The machine (nproc, Python)
+and the load average before and after are printed, with any other process
+that was busy at the start, because the figures are only as quiet as the
+machine. About 2 minutes with the defaults.
 """
 
 from __future__ import annotations
@@ -82,9 +83,48 @@ def stat_row(
     return (name, f"{cell(s['median'], digits)} {unit}", f"{tail} {unit}", str(n), goal, verdict)
 
 
-def beat_rows(b: dict[str, Any]) -> list[Row]:
+def _hz(period_s: float, kind: str = "sleep") -> str:
+    hz = 1.0 / period_s
+    rate = f"{hz / 1000:g} kHz" if hz >= 1000 else f"{hz:g} Hz"
+    return rate + (", busy between" if kind == "busy" else "")
+
+
+def job_beat_rows(j: dict[str, Any]) -> list[Row]:
+    """The headline: beat() in a real job under `trainwatch run`."""
     rows: list[Row] = []
-    for mode, label in (("block", "reader asleep"), ("poll", "reader polling")):
+    name = j["name"].split("  ")[0]
+    for i, ph in enumerate(j["phases"]):
+        rate = _hz(ph["period_s"], ph.get("kind", "sleep"))
+        where = "real job under trainwatch run" if i == 0 else "real job"
+        label = f"{name} [{where}, {rate}]"
+        if ph["dropped"]:
+            label += f" ({ph['dropped']} of {ph['calls']} dropped)"
+        s = ph["per_call_us"]
+        rows.append(stat_row(label, s, "µs", 2, "≤ 5 µs median", s["median"] <= 5.0))
+        if i == 0:
+            rows.append(
+                (
+                    f"  trainwatch meanwhile [real job, {rate}]",
+                    f"{ph['supervisor_wakes_per_s']:.1f} wake-ups/s",
+                    f"{ph['supervisor_cpu_pct']:.2f} % of a core",
+                    "-",
+                    "-",
+                    "-",
+                )
+            )
+    for c in j.get("controls", []):
+        where = f"real job, {_hz(c['period_s'])}"
+        for key, what in (
+            ("format_us", "client's formatting alone, no send"),
+            ("send_us", "plain sock.send() of the message"),
+        ):
+            rows.append(stat_row(f"  control: {what} [{where}]", c[key], "µs", 2, "-", None))
+    return rows
+
+
+def beat_rows(b: dict[str, Any]) -> list[Row]:
+    rows: list[Row] = job_beat_rows(b["job"]) if "job" in b else []
+    for mode, label in (("block", "isolated reader asleep"), ("poll", "isolated reader polling")):
         if mode not in b:
             continue
         for r in b[mode]["results"]:
@@ -233,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
             b = run_one("bench_beat.py", ["--calls", str(args.calls)], d / "beat.json")
             rows += beat_rows(b) if b else []
             failed += [] if b else ["bench_beat"]
+            if b and b.get("job", {}).get("problems"):
+                failed += [f"bench_beat: {p}" for p in b["job"]["problems"]]
         if "recovery" in only:
             r = run_one(
                 "bench_recovery.py",
