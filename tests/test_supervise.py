@@ -403,3 +403,13 @@ def test_dropped_datagrams_are_counted_in_the_published_status(ws: Workspace) ->
 def finish_interrupted(p: subprocess.Popen[bytes]) -> tuple[int, str]:
     p.send_signal(signal.SIGINT)
     return finish(p)
+
+
+def test_many_ranks_in_lock_step_are_not_taken_for_hung(ws: Workspace) -> None:
+    """16 ranks beating together overflow the kernel's 10-datagram queue; none looks hung."""
+    cfg = ws.config({"command": ws.worker("--steps", "120", "--interval", "0.05", "--ranks", "16"),
+                     "heartbeat": {"timeout": "1s"}}, {"max_restarts": 0})
+    rc, out = finish(ws.run(cfg), timeout=60)
+    assert rc == 0, out
+    assert ws.incidents() == []
+    assert len(ws.status()["ranks"]) == 16

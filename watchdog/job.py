@@ -51,11 +51,26 @@ log = logging.getLogger("trainwatch")
 _RUNNING_WITHOUT_BEATS = 10.0
 # The published status carries the step at most this often.
 _PUBLISH_EVERY = 1.0
-# While beats flow, the socket is read this often rather than on every datagram.
-# At 8 ranks x 10 Hz that is 4 datagrams a batch; the kernel queues up to
-# net.unix.max_dgram_qlen (10) before a sender's beat is dropped (harmless:
-# the next supersedes it), and a beat's receive time is late by at most this.
+# While beats flow, the socket is read this often rather than on every datagram
+# (8 ranks x 10 Hz: 4 datagrams a batch, 20 wake-ups/s instead of 80); a
+# beat's receive time is then late by at most this. The kernel queues only
+# net.unix.max_dgram_qlen datagrams (10 by default) before a sender's beat is
+# dropped, and with many ranks in lock-step the same slow rank would lose
+# every round and look hung: a poll that finds the queue full goes
+# back to waking on every datagram for _WAKE_FOR seconds.
 _BEAT_POLL = 0.05
+_WAKE_FOR = 30.0
+
+
+def _queue_limit() -> int:
+    try:
+        with open("/proc/sys/net/unix/max_dgram_qlen") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 10
+
+
+_QUEUE_FULL = max(2, _queue_limit())
 # While stopping, look at the tree this often.
 _STOP_POLL = 0.05
 # Without a pidfd (kernels before 5.3), poll the leader this often.
@@ -108,6 +123,7 @@ class JobRunner:
         self.socket_path = socket_path(config.run_dir, job.name)
         self.socket = HeartbeatSocket(self.socket_path, self._believe, clock)
         self.socket_poll_at = 0.0  # 0: waiting on the socket; else: next poll of it
+        self.socket_wake_until = 0.0  # until then, wake on every datagram
         selector.register(self.socket, selectors.EVENT_READ, self._on_socket)
 
     # --- state ---------------------------------------------------------------
@@ -203,20 +219,28 @@ class JobRunner:
         return a is not None and a.tree.owns(pid, uid)
 
     def _on_socket(self, _fd: int) -> None:
-        # Beats are flowing: stop waiting on the socket and poll it every
-        # _BEAT_POLL instead. One wake-up then takes a batch, and a sender does
-        # not pay for waking us (see the module's note on the beat cost).
-        self._unregister(self.socket.fileno())
-        self.socket_poll_at = self.clock() + _BEAT_POLL
         self._drain()
+        now = self.clock()
+        if now >= self.socket_wake_until:
+            # Beats are flowing: stop waiting on the socket and poll it every
+            # _BEAT_POLL instead. One wake-up then takes a batch, and a sender
+            # does not pay for waking us.
+            self._unregister(self.socket.fileno())
+            self.socket_poll_at = now + _BEAT_POLL
 
     def _poll_socket(self, now: float) -> None:
-        if self.socket_poll_at and now >= self.socket_poll_at:
-            if self._drain():
-                self.socket_poll_at = now + _BEAT_POLL
-            else:  # quiet again: go back to waiting on it
-                self.socket_poll_at = 0.0
-                self.sel.register(self.socket, selectors.EVENT_READ, self._on_socket)
+        if not self.socket_poll_at or now < self.socket_poll_at:
+            return
+        n = self._drain()
+        if n and n < _QUEUE_FULL:
+            self.socket_poll_at = now + _BEAT_POLL
+            return
+        if n:
+            # The kernel's queue filled between two polls (many ranks): beats
+            # were being dropped, so wake on every datagram for a while.
+            self.socket_wake_until = now + _WAKE_FOR
+        self.socket_poll_at = 0.0  # quiet, or too busy: wait on the socket again
+        self.sel.register(self.socket, selectors.EVENT_READ, self._on_socket)
 
     def _drain(self) -> int:
         """Read and act on everything queued on the socket; how many datagrams."""

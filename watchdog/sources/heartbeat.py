@@ -23,6 +23,7 @@ from trainwatch.types import Beat, CheckpointReport
 MAX_DATAGRAM = 4096
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _ANC_SIZE = socket.CMSG_SPACE(_CREDS.size)
+_TRUNC = int(socket.MSG_TRUNC)  # a plain int: the flag test runs per datagram
 # Drain at most this many datagrams per wake-up so one chatty job cannot
 # starve the rest of the loop.
 _BATCH = 256
@@ -132,7 +133,7 @@ class HeartbeatSocket:
                 c.malformed += 1
                 break
             c.received += 1
-            if flags & socket.MSG_TRUNC:
+            if flags & _TRUNC:
                 c.oversized += 1
                 continue
             pid = uid = -1
