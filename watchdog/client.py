@@ -26,6 +26,11 @@ __all__ = ["Heartbeat", "NullHeartbeat", "connect", "resume_from", "skip_steps"]
 # A reconnect after a failed send is tried at most this often, so that a
 # missing daemon costs a failed syscall per beat at worst, not a connect().
 _RECONNECT_EVERY = 1.0
+# Beats closer together than this are not sent (a step loop faster than 100 Hz
+# gains nothing from more): the kernel queues only ~10 datagrams per job, and
+# a burst from one rank would crowd out the others'. A non-finite loss or grad
+# norm is always sent.
+_MIN_INTERVAL = 0.01
 _CHECKPOINT_RETRY_FOR = 0.2
 
 
@@ -37,6 +42,13 @@ def _num(x: float | None) -> str:
     return repr(x) if math.isfinite(x) else f'"{x}"'
 
 
+_monotonic = time.monotonic
+
+
+def _finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
+
+
 def _head(rank: int) -> str:
     return f'{{"v":1,"k":"beat","rank":{int(rank)},"step":'
 
@@ -44,12 +56,14 @@ def _head(rank: int) -> str:
 class Heartbeat:
     """A connected heartbeat sender. Cheap to call every step."""
 
-    __slots__ = ("_head", "_last_try", "_path", "_sock", "dropped", "rank")
+    __slots__ = ("_head", "_last_sent", "_last_try", "_path", "_sock", "dropped", "rank", "skipped")
 
     def __init__(self, path: str, rank: int = 0) -> None:
         self._path = path
         self.rank = rank
-        self.dropped = 0
+        self.dropped = 0  # could not be sent (no daemon, queue full)
+        self.skipped = 0  # not sent: within _MIN_INTERVAL of the previous beat
+        self._last_sent = -_MIN_INTERVAL
         self._sock: socket.socket | None = None
         self._last_try = 0.0
         self._head = _head(rank)
@@ -96,6 +110,12 @@ class Heartbeat:
     ) -> None:
         """Report that ``step`` finished. Never blocks, never raises."""
         try:
+            if rank is None:  # an explicit rank is always sent: it may be another rank's beat
+                now = _monotonic()
+                if now - self._last_sent < _MIN_INTERVAL and _finite(loss) and _finite(grad_norm):
+                    self.skipped += 1
+                    return
+                self._last_sent = now
             head = self._head if rank is None else _head(rank)
             if loss is None and grad_norm is None:
                 msg = f"{head}{int(step)}}}"
@@ -141,6 +161,7 @@ class NullHeartbeat:
 
     rank = 0
     dropped = 0
+    skipped = 0
 
     def beat(self, step: int, loss: float | None = None, grad_norm: float | None = None,
              rank: int | None = None) -> None:
