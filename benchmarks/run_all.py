@@ -99,6 +99,8 @@ def job_beat_rows(j: dict[str, Any]) -> list[Row]:
         label = f"{name} [{where}, {rate}]"
         if ph["dropped"]:
             label += f" ({ph['dropped']} of {ph['calls']} dropped)"
+        if ph.get("skipped"):
+            label += f" ({ph['skipped']} of {ph['calls']} skipped by the rate limit)"
         s = ph["per_call_us"]
         rows.append(stat_row(label, s, "µs", 2, "≤ 5 µs median", s["median"] <= 5.0))
         if i == 0:

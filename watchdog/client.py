@@ -26,11 +26,11 @@ __all__ = ["Heartbeat", "NullHeartbeat", "connect", "resume_from", "skip_steps"]
 # A reconnect after a failed send is tried at most this often, so that a
 # missing daemon costs a failed syscall per beat at worst, not a connect().
 _RECONNECT_EVERY = 1.0
-# Beats closer together than this are not sent (a step loop faster than 100 Hz
+# Beats closer together than this are not sent (a step loop faster than 200 Hz
 # gains nothing from more): the kernel queues only ~10 datagrams per job, and
 # a burst from one rank would crowd out the others'. A non-finite loss or grad
 # norm is always sent.
-_MIN_INTERVAL = 0.01
+_MIN_INTERVAL = 0.005
 _CHECKPOINT_RETRY_FOR = 0.2
 
 
