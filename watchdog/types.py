@@ -121,6 +121,52 @@ class HeartbeatSnapshot:
     intervals_p99: float | None  # learned step interval, None until enough samples
 
 
+@dataclass(frozen=True)
+class XidEvent:
+    """One Xid report, from whichever path saw it (NVML event, kernel log, poll, drill)."""
+
+    xid: int
+    at: float  # monotonic time it was seen
+    source: str  # "nvml_event" | "kmsg" | "nvml_poll" | "drill"
+    gpu: int | None = None  # NVML index; None when the PCI address maps to no known GPU
+    pci: str | None = None  # bus id as NVML spells it, e.g. "00000000:06:00.0"
+    uuid: str | None = None
+    message: str = ""  # the driver's text after the Xid number, if any
+    pid: int | None = None
+    injected: bool = False
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    """One poll of one GPU. None: not supported on this GPU or driver (never 'healthy')."""
+
+    index: int
+    at: float  # monotonic
+    uuid: str | None = None
+    name: str | None = None
+    pci: str | None = None
+    temperature_c: float | None = None
+    slowdown_temp_c: float | None = None  # the driver's slowdown threshold
+    power_w: float | None = None
+    utilization_ratio: float | None = None  # 0..1
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    clock_event_reasons: int | None = None  # nvmlClocksEventReason* bitmask
+    ecc_volatile_corrected: int | None = None
+    ecc_volatile_uncorrected: int | None = None
+    ecc_aggregate_corrected: int | None = None
+    ecc_aggregate_uncorrected: int | None = None
+    remapped_rows_corrected: int | None = None
+    remapped_rows_uncorrected: int | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    retired_pages_pending: bool | None = None  # pre-Ampere page retirement
+    pcie_replay_total: int | None = None
+    nvlink_errors: tuple[tuple[str, int], ...] = ()  # (counter name, sum over links)
+    recovery_action: int | None = None  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION value
+    lost: str | None = None  # "gpu_is_lost" | "reset_required": the poll could not read it
+
+
 # --- faults and decisions -----------------------------------------------------
 
 
