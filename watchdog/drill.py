@@ -1,0 +1,45 @@
+"""Drill overlays: an injected GPU condition (ECC, thermal, lost) rides on the
+real samples of any backend until cleared, so that a drill passes through the
+same detectors as a real fault."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from trainwatch.detectors.gpu import HW_THERMAL_SLOWDOWN
+from trainwatch.types import GpuSample
+
+
+@dataclass
+class Overlay:
+    """Per GPU: the fields a drill overrides, and ECC errors it added."""
+
+    fields: dict[int, dict[str, object]] = field(default_factory=dict)
+    added_uncorrected: dict[int, int] = field(default_factory=dict)
+
+    def ecc(self, gpu: int, uncorrected: bool) -> None:
+        if uncorrected:
+            self.added_uncorrected[gpu] = self.added_uncorrected.get(gpu, 0) + 1
+        else:
+            self.fields.setdefault(gpu, {})["remap_pending"] = True
+
+    def thermal(self, gpu: int) -> None:
+        self.fields.setdefault(gpu, {})["clock_event_reasons"] = HW_THERMAL_SLOWDOWN
+
+    def lost(self, gpu: int) -> None:
+        self.fields.setdefault(gpu, {})["lost"] = "gpu_is_lost"
+
+    def clear(self, gpu: int) -> None:
+        self.fields.pop(gpu, None)
+        self.added_uncorrected.pop(gpu, None)
+
+    def apply(self, samples: list[GpuSample]) -> list[GpuSample]:
+        out = []
+        for s in samples:
+            changes = dict(self.fields.get(s.index, {}))
+            extra = self.added_uncorrected.get(s.index)
+            if extra:
+                changes["ecc_volatile_uncorrected"] = (s.ecc_volatile_uncorrected or 0) + extra
+            out.append(dataclasses.replace(s, **changes) if changes else s)  # type: ignore[arg-type]
+        return out
