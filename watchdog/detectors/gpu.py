@@ -74,9 +74,9 @@ def detect_ecc(prev: GpuSample | None, cur: GpuSample) -> Fault | None:
 
 
 def detect_thermal(window: Sequence[GpuSample], sustain: float) -> Fault | None:
-    """Thermal or hardware slowdown in every sample of the last ``sustain``
-    seconds (at least two samples), or the temperature above the driver's
-    slowdown threshold. ``window`` is one GPU's samples, oldest first."""
+    """Thermal or hardware slowdown in every sample for at least ``sustain``
+    seconds, or the temperature at the driver's slowdown threshold.
+    ``window`` is one GPU's recent samples, oldest first."""
     if not window:
         return None
     cur = window[-1]
@@ -88,16 +88,16 @@ def detect_thermal(window: Sequence[GpuSample], sustain: float) -> Fault | None:
         evidence: dict[str, object] = {"temperature_c": cur.temperature_c,
                                        "slowdown_temp_c": cur.slowdown_temp_c}
         return Fault(FaultKind.GPU_THERMAL, "", cur.at, evidence, gpu=cur.index)
-    recent = [s for s in window if s.at >= cur.at - sustain]
-    if len(recent) < 2 or recent[-1].at - recent[0].at < sustain * 0.9:
+    # Walk back over the unbroken run of slowed samples that ends now.
+    seen, onset = 0, None
+    for sample in reversed(window):
+        bits = (sample.clock_event_reasons or 0) & THERMAL_REASONS
+        if not bits:
+            break
+        seen |= bits
+        onset = sample.at
+    if onset is None or cur.at - onset < sustain:
         return None
-    bits = [(s.clock_event_reasons or 0) & THERMAL_REASONS for s in recent]
-    if not all(bits):
-        return None
-    seen = 0
-    for b in bits:
-        seen |= b
-    onset = recent[0].at
     evidence = {"reasons": reason_names(seen), "for_s": round(cur.at - onset, 3),
                 "temperature_c": cur.temperature_c}
     return Fault(FaultKind.GPU_THERMAL, "", onset, evidence, gpu=cur.index)
