@@ -1,0 +1,52 @@
+"""GpuHealth: detectors over a stream of samples and Xids, with per-GPU state."""
+
+from __future__ import annotations
+
+from trainwatch.detectors.gpu import HW_SLOWDOWN
+from trainwatch.gpuhealth import GpuHealth, GpuState
+from trainwatch.sources.gpusim import SimGpus
+from trainwatch.types import FaultKind, GpuSample, XidEvent
+
+
+def test_gpus_are_unknown_until_seen_and_while_the_source_is_down() -> None:
+    """A GPU never polled, or polled while the source is down, is unknown, never healthy."""
+    h = GpuHealth()
+    assert h.state(0) is GpuState.UNKNOWN
+    assert h.samples(SimGpus(2, clock=lambda: 0.0).poll()) == []
+    assert h.state(0) is GpuState.HEALTHY
+    h.source_down()
+    assert h.state(0) is GpuState.UNKNOWN
+
+
+def test_a_lost_gpu_is_reported_once_and_is_unknown() -> None:
+    """GpuIsLost in consecutive polls is one gpu_lost fault, and the GPU reads unknown."""
+    h = GpuHealth()
+    lost = GpuSample(index=3, at=1.0, lost="gpu_is_lost")
+    assert [f.kind for f in h.samples([lost])] == [FaultKind.GPU_LOST]
+    assert h.samples([GpuSample(index=3, at=2.0, lost="gpu_is_lost")]) == []
+    assert h.state(3) is GpuState.UNKNOWN
+
+
+def test_one_thermal_fault_per_episode() -> None:
+    """Sustained slowdown raises gpu_thermal once; it may fire again after it clears."""
+    h = GpuHealth(thermal_sustain=2.0)
+    hot = [GpuSample(index=0, at=float(t), clock_event_reasons=HW_SLOWDOWN) for t in range(5)]
+    kinds = [f.kind for s in hot for f in h.samples([s])]
+    assert kinds == [FaultKind.GPU_THERMAL]
+    assert h.samples([GpuSample(index=0, at=5.0, clock_event_reasons=0)]) == []
+    again = [GpuSample(index=0, at=float(t), clock_event_reasons=HW_SLOWDOWN) for t in range(6, 9)]
+    assert [f.kind for s in again for f in h.samples([s])] == [FaultKind.GPU_THERMAL]
+
+
+def test_an_xid_from_two_paths_is_one_fault_and_exclusion_sticks() -> None:
+    """NVML event + kernel log copy: one gpu_xid fault; an excluded GPU stays excluded."""
+    h = GpuHealth(dedup_window=10.0)
+    assert h.xid(XidEvent(79, at=1.0, source="nvml_event", gpu=1)) is not None
+    assert h.xid(XidEvent(79, at=1.2, source="kmsg", gpu=1)) is None
+    h.samples(SimGpus(4, clock=lambda: 2.0).poll())
+    h.exclude(1, "xid 79")
+    assert h.state(1) is GpuState.EXCLUDED and h.excluded() == {1: "xid 79"}
+    h.samples(SimGpus(4, clock=lambda: 3.0).poll())
+    assert h.state(1) is GpuState.EXCLUDED
+    h.clear(1)
+    assert h.state(1) is GpuState.HEALTHY
