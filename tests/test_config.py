@@ -171,8 +171,8 @@ BAD: list[object] = [
     ),
     pytest.param(
         JOB + "policies: {default: {retries: 3}}\n",
-        "<file>: policies.default.retries: expected one of actions, backoff, kill_grace,"
-        " max_restarts, window, got an unknown key",
+        "<file>: policies.default.retries: expected one of actions, backoff, escalate, exec,"
+        " kill_grace, max_restarts, window, xid_actions, got an unknown key",
         id="unknown-policy-key",
     ),
     pytest.param(
@@ -188,14 +188,19 @@ BAD: list[object] = [
     pytest.param(
         JOB + "policies: {default: {actions: {nan_loss: rollback}}}\n",
         "<file>: policies.default.actions.nan_loss: expected an action this version"
-        " carries out (alert, restart, stop), got 'rollback'",
+        " carries out (alert, exec, restart, restart_exclude_gpu, stop), got 'rollback'",
         id="action-rollback-not-implemented",
     ),
     pytest.param(
-        JOB + "policies: {default: {actions: {gpu_xid: restart_exclude_gpu}}}\n",
-        "<file>: policies.default.actions.gpu_xid: expected an action this version"
-        " carries out (alert, restart, stop), got 'restart_exclude_gpu'",
-        id="action-restart-exclude-gpu-not-implemented",
+        JOB + "policies: {default: {xid_actions: {79: rollback}}}\n",
+        "<file>: policies.default.xid_actions.79: expected an action this version"
+        " carries out (alert, exec, restart, restart_exclude_gpu, stop), got 'rollback'",
+        id="xid-action-not-implemented",
+    ),
+    pytest.param(
+        "jobs: [{name: j, command: [t], gpus: {devices: [0, 1], min: 3}}]\n",
+        "<file>: jobs[0].gpus.min: expected at most the 2 devices listed, got 3",
+        id="gpus-min-above-devices",
     ),
     pytest.param(
         JOB + "policies: {default: {max_restarts: -1}}\n",

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 from trainwatch.types import IMPLEMENTED_ACTIONS, Action, FaultKind
+from trainwatch.xid import Immediate
 
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
@@ -40,7 +41,19 @@ class Backoff:
 DEFAULT_ACTIONS: Mapping[FaultKind, Action] = {
     FaultKind.CRASH: Action.RESTART,
     FaultKind.HANG: Action.RESTART,
+    # gpu_xid has no entry: each Xid's action comes from its class (trainwatch.xid).
+    FaultKind.GPU_LOST: Action.RESTART_EXCLUDE_GPU,
+    FaultKind.GPU_ECC: Action.ALERT,  # a fatal ECC error also raises an Xid (48, 94, 95)
+    FaultKind.GPU_THERMAL: Action.ALERT,
 }
+
+
+@dataclass(frozen=True)
+class Escalate:
+    """This many Xids on one GPU within ``window`` turn a restart into restart_exclude_gpu."""
+
+    after: int = 3
+    window: float = 3600.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,10 @@ class Policy:
     backoff: Backoff = field(default_factory=Backoff)
     kill_grace: float = 30.0
     actions: Mapping[FaultKind, Action] = field(default_factory=lambda: dict(DEFAULT_ACTIONS))
+    # Per Xid (an int) or per class (an xid.Immediate name such as "RESET_GPU").
+    xid_actions: Mapping[int | str, Action] = field(default_factory=dict)
+    escalate: Escalate = field(default_factory=Escalate)
+    exec: tuple[str, ...] = ()  # the operator hook: {job}, {gpu}, {kind} are filled in
 
     def action_for(self, kind: FaultKind) -> Action:
         return self.actions.get(kind, Action.ALERT)
@@ -93,6 +110,16 @@ class Job:
     checkpoints: Checkpoints = field(default_factory=Checkpoints)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     policy: str = "default"
+    gpus: Gpus = field(default_factory=lambda: Gpus())
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs a job runs on (NVML indices; None: every GPU of the host), and the
+    fewest it can run on after restart_exclude_gpu takes one away."""
+
+    devices: tuple[int, ...] | None = None
+    min: int = 1
 
 
 @dataclass(frozen=True)
@@ -104,7 +131,10 @@ class Metrics:
 @dataclass(frozen=True)
 class Gpu:
     backend: str = "auto"
-    count: int = 0
+    count: int = 0  # sim: how many GPUs to simulate
+    poll_interval: float = 1.0
+    kmsg: str | None = "/dev/kmsg"  # the kernel log read for Xids; null: off
+    thermal_sustain: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -343,7 +373,8 @@ _OPT_DUR = "a duration such as 30s, 5m or 24h, or null"
 
 def _policy(r: _Reader, name: str, raw: object) -> Policy:
     path = f"policies.{name}"
-    m = r.mapping(raw, path, {"max_restarts", "window", "backoff", "kill_grace", "actions"})
+    m = r.mapping(raw, path, {"max_restarts", "window", "backoff", "kill_grace", "actions",
+                              "xid_actions", "escalate", "exec"})
     d = Policy()
     b = r.mapping(
         m.get("backoff"), f"{path}.backoff", {"initial", "factor", "max", "jitter", "reset_after"}
@@ -374,8 +405,36 @@ def _policy(r: _Reader, name: str, raw: object) -> Policy:
             ok = ", ".join(sorted(a.value for a in IMPLEMENTED_ACTIONS))
             raise r.fail(where, f"an action this version carries out ({ok})", act)
         actions[FaultKind(kind)] = action
+    xid_actions: dict[int | str, Action] = {}
+    classes = {c.value for c in Immediate}
+    raw_xid = m.get("xid_actions") or {}
+    if not isinstance(raw_xid, dict):
+        raise r.fail(f"{path}.xid_actions", "a mapping of Xids or Xid classes to actions", raw_xid)
+    for key, act in raw_xid.items():
+        where = f"{path}.xid_actions.{key}"
+        xid_number = isinstance(key, int) and not isinstance(key, bool) and key > 0
+        if not xid_number and key not in classes:
+            raise r.fail(where, "an Xid number or a class (" + ", ".join(sorted(classes)) + ")",
+                         key)
+        try:
+            action = Action(act)
+        except ValueError:
+            raise r.fail(where, "one of " + ", ".join(a.value for a in Action), act) from None
+        if action not in IMPLEMENTED_ACTIONS:
+            ok = ", ".join(sorted(a.value for a in IMPLEMENTED_ACTIONS))
+            raise r.fail(where, f"an action this version carries out ({ok})", act)
+        xid_actions[key] = action
+    ep = f"{path}.escalate"
+    e = r.mapping(m.get("escalate"), ep, {"after", "window"})
+    escalate = Escalate(
+        after=r.get(e, "after", ep, "an integer >= 1", d.escalate.after),
+        window=r.get(e, "window", ep, _DUR, d.escalate.window),
+    )
     return Policy(
         name=name,
+        xid_actions=xid_actions,
+        escalate=escalate,
+        exec=r.get(m, "exec", path, "a list of strings", ()),
         max_restarts=r.get(m, "max_restarts", path, "an integer >= 0", d.max_restarts),
         window=r.get(m, "window", path, _DUR, d.window),
         backoff=backoff,
@@ -388,7 +447,7 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
     path = f"jobs[{i}]"
     keys = {
         "name", "command", "workdir", "user", "env", "resume_args", "checkpoints",
-        "heartbeat", "policy",
+        "heartbeat", "policy", "gpus",
     }
     m = r.mapping(raw, path, keys)
     if not m:
@@ -442,8 +501,24 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
     if policy not in policies:
         defined = ", ".join(sorted(policies))
         raise r.fail(f"{path}.policy", f"a policy defined under policies ({defined})", policy)
+    gp = f"{path}.gpus"
+    g = r.mapping(m.get("gpus"), gp, {"devices", "min"})
+    devices = g.get("devices")
+    if devices is not None and (
+        not isinstance(devices, list) or not devices
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in devices)
+        or len(set(devices)) != len(devices)
+    ):
+        raise r.fail(f"{gp}.devices", "a list of distinct GPU indices, or null for all", devices)
+    gpus = Gpus(
+        devices=tuple(devices) if devices is not None else None,
+        min=r.get(g, "min", gp, "an integer >= 1", 1),
+    )
+    if gpus.devices is not None and gpus.min > len(gpus.devices):
+        raise r.fail(f"{gp}.min", f"at most the {len(gpus.devices)} devices listed", gpus.min)
     return Job(
         name=name,
+        gpus=gpus,
         command=command,
         workdir=r.get(m, "workdir", path, _STR, None),
         user=r.get(m, "user", path, _STR, None),
@@ -480,9 +555,13 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         seen.add(j.name)
 
     mm = r.mapping(m.get("metrics"), "metrics", {"address", "port"})
-    gm = r.mapping(m.get("gpu"), "gpu", {"backend", "count"})
+    gm = r.mapping(m.get("gpu"), "gpu",
+                   {"backend", "count", "poll_interval", "kmsg", "thermal_sustain"})
     run_dir = r.get(m, "run_dir", "", _STR, run_default)
     _check_socket_paths(r, run_dir, jobs)
+    if gm.get("backend") == "sim" and not gm.get("count"):
+        raise r.fail("gpu.count", "the number of GPUs to simulate (>= 1) with backend sim",
+                     gm.get("count", _MISSING))
     return Config(
         state_dir=r.get(m, "state_dir", "", _STR, state_default),
         run_dir=run_dir,
@@ -495,6 +574,10 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         gpu=Gpu(
             backend=r.get(gm, "backend", "gpu", "auto, nvml, sim or off", Gpu.backend),
             count=r.get(gm, "count", "gpu", "an integer >= 0", Gpu.count),
+            poll_interval=r.get(gm, "poll_interval", "gpu", _DUR, Gpu.poll_interval),
+            kmsg=r.get(gm, "kmsg", "gpu", _STR, Gpu.kmsg) if gm.get("kmsg", "") is not None
+            else None,
+            thermal_sustain=r.get(gm, "thermal_sustain", "gpu", _DUR, Gpu.thermal_sustain),
         ),
         observe_only=r.get(m, "observe_only", "", "true or false", False),
         source=source,

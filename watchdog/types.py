@@ -64,8 +64,10 @@ class Action(str, enum.Enum):
 
 
 # Actions this release can carry out; the rest are accepted by name in DESIGN
-# but arrive with later sources (GPU, loss) and are refused by the config check.
-IMPLEMENTED_ACTIONS = frozenset({Action.ALERT, Action.RESTART, Action.STOP})
+# but arrive with later sources (loss) and are refused by the config check.
+IMPLEMENTED_ACTIONS = frozenset(
+    {Action.ALERT, Action.RESTART, Action.STOP, Action.RESTART_EXCLUDE_GPU, Action.EXEC}
+)
 
 
 # --- observations (sources -> detectors) -------------------------------------
