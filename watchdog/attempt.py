@@ -23,7 +23,8 @@ _CHUNK = 65536
 
 
 def job_env(
-    job: Job, socket: str, attempt: int, resume_from: str | None, base: Mapping[str, str]
+    job: Job, socket: str, attempt: int, resume_from: str | None, base: Mapping[str, str],
+    gpus: list[int] | None = None,
 ) -> dict[str, str]:
     env = dict(base)
     env.update(job.env)
@@ -35,11 +36,21 @@ def job_env(
     env.pop("TRAINWATCH_SKIP_STEPS", None)
     if resume_from is not None:
         env["TRAINWATCH_RESUME_FROM"] = resume_from
+    if gpus is not None:
+        # NVML numbers GPUs in PCI bus order; make CUDA number them the same way.
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        env["TRAINWATCH_NUM_GPUS"] = str(len(gpus))
     return env
 
 
-def job_argv(job: Job, resume_from: str | None) -> list[str]:
+def job_argv(job: Job, resume_from: str | None, gpus: list[int] | None = None) -> list[str]:
+    """The command; {num_gpus} in it becomes the number of GPUs the attempt gets
+    (e.g. torchrun --nproc-per-node={num_gpus}), so that the job learns its new
+    world size after a GPU is excluded."""
     argv = list(job.command)
+    if gpus is not None:
+        argv = [a.replace("{num_gpus}", str(len(gpus))) for a in argv]
     if resume_from is not None:
         argv += [a.replace("{checkpoint}", resume_from) for a in job.resume_args]
     return argv
@@ -57,6 +68,7 @@ class Attempt:
         resumed_step: int | None,
         log_dir: Path,
         passthrough: bool,
+        gpus: list[int] | None = None,
     ) -> None:
         self.job = job
         self.number = number
@@ -66,9 +78,10 @@ class Attempt:
         self.log_path = log_dir / f"attempt-{number}-{int(time.time())}.log"
         self.log: BinaryIO = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         self.passthrough = passthrough
+        self.gpus = gpus
         self.proc = subprocess.Popen(
-            job_argv(job, resume_from),
-            env=job_env(job, socket, number, resume_from, os.environ),
+            job_argv(job, resume_from, gpus),
+            env=job_env(job, socket, number, resume_from, os.environ, gpus),
             cwd=job.workdir,
             user=job.user,
             stdin=subprocess.DEVNULL,

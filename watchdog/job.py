@@ -16,11 +16,16 @@ job's processes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import os
 import random
 import selectors
 import signal
+import subprocess
+import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +35,7 @@ from trainwatch.catalog import Catalog, Entry
 from trainwatch.config import Config, ConfigError, Job, socket_path
 from trainwatch.detectors.crash import detect_crash
 from trainwatch.detectors.hang import detect_hang, next_deadline
+from trainwatch.gpuwatch import GpuWatch
 from trainwatch.ledger import Ledger, Relaunch
 from trainwatch.policy import RestartHistory, decide
 from trainwatch.ranks import Ranks
@@ -40,9 +46,11 @@ from trainwatch.types import (
     Beat,
     CheckpointReport,
     Fault,
+    FaultKind,
     JobState,
     ProcessExit,
 )
+from trainwatch.xid import classify
 
 log = logging.getLogger("trainwatch")
 
@@ -96,8 +104,11 @@ class JobRunner:
         passthrough: bool = False,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        gpus: GpuWatch | None = None,
     ) -> None:
         self.config = config
+        self.gpuwatch = gpus
+        self.xids_seen: deque[tuple[int | None, float]] = deque(maxlen=256)  # (gpu, at)
         self.job = job
         self.policy = config.policy_for(job)
         self.ledger = ledger
@@ -170,8 +181,28 @@ class JobRunner:
     def start(self) -> None:
         self._launch("start")
 
+    def gpus(self) -> list[int] | None:
+        """The GPUs an attempt gets now; None when trainwatch does not see GPUs."""
+        w = self.gpuwatch
+        if w is None or w.backend is None:
+            return None
+        return w.healthy(self.job.gpus.devices)
+
+    def uses_gpu(self, gpu: int | None) -> bool:
+        w = self.gpuwatch
+        if gpu is None or w is None:
+            return True  # an Xid on an unmapped GPU concerns every job
+        devices = self.job.gpus.devices
+        return gpu in (devices if devices is not None else w.indices)
+
     def _launch(self, reason: str) -> None:
         cp: Entry | None = self.catalog.last_good()
+        gpus = self.gpus()
+        if gpus is not None and len(gpus) < self.job.gpus.min:
+            why = f"{len(gpus)} healthy GPUs, the job needs at least {self.job.gpus.min}"
+            self._run_exec_hook("insufficient_gpus", None)
+            self._to(JobState.FATAL, why)
+            return
         self.number += 1
         try:
             a = Attempt(
@@ -182,6 +213,7 @@ class JobRunner:
                 cp.step if cp else None,
                 self.dir / "logs",
                 self.passthrough,
+                gpus,
             )
         except (OSError, KeyError) as e:  # KeyError: no such user
             why = f"no such user {self.job.user!r}"
@@ -202,6 +234,8 @@ class JobRunner:
         for fd in a.pipes:
             self.sel.register(fd, selectors.EVENT_READ, self._on_output)
         where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
+        if gpus is not None:
+            where += f", GPUs {','.join(map(str, gpus))}"
         self._to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
         if self.pending_incident is not None:
             # The faulted attempt reached `reached`; this one starts over at cp.
@@ -364,7 +398,65 @@ class JobRunner:
 
     # --- faults --------------------------------------------------------------
 
-    def _handle(self, fault: Fault) -> None:
+    def on_gpu_fault(self, fault: Fault) -> None:
+        """A fault of one of this job's GPUs (routed here by the supervisor)."""
+        fault = dataclasses.replace(fault, job=self.job.name)
+        action = self._gpu_action(fault)
+        if self.state in (JobState.STARTING, JobState.RUNNING):
+            self._handle(fault, action)
+            return
+        # Nothing of ours runs on it now: record it, and keep the GPU out of the next launch.
+        reason = f"job {self.state.value if self.state else '-'}: recorded only"
+        if action is Action.RESTART_EXCLUDE_GPU and fault.gpu is not None:
+            self._exclude(fault)
+            reason += f"; GPU {fault.gpu} excluded"
+        self.ledger.incident(fault, action.value, reason, max(self.number, 0), 0.0,
+                             observe_only=self.config.observe_only,
+                             injected=fault.evidence.get("source") == "drill")
+        log.warning("job %s: %s on GPU %s -> %s", self.job.name, fault.kind.value, fault.gpu,
+                    reason)
+
+    def _gpu_action(self, fault: Fault) -> Action:
+        if fault.kind is not FaultKind.GPU_XID:
+            return self.policy.action_for(fault.kind)
+        xid = int(fault.evidence["xid"])
+        info = classify(xid, str(fault.evidence.get("message", "")))
+        over = self.policy.xid_actions
+        action = over.get(xid) or over.get(info.immediate.value) or info.action
+        fault.evidence["class"] = info.immediate.value
+        # The same GPU faulting again and again within the window is the GPU, not the job.
+        now, esc = fault.onset, self.policy.escalate
+        self.xids_seen.append((fault.gpu, now))
+        repeats = sum(1 for g, t in self.xids_seen if g == fault.gpu and now - t <= esc.window)
+        if action is Action.RESTART and fault.gpu is not None and repeats >= esc.after:
+            fault.evidence["escalated"] = f"{repeats} Xids on GPU {fault.gpu}"
+            return Action.RESTART_EXCLUDE_GPU
+        return action
+
+    def _exclude(self, fault: Fault) -> None:
+        if self.gpuwatch is not None and fault.gpu is not None:
+            self.gpuwatch.exclude(fault.gpu, f"{fault.kind.value} {fault.evidence.get('xid', '')}"
+                                  f" (job {self.job.name})".replace("  ", " "))
+
+    def _run_exec_hook(self, kind: str, gpu: int | None) -> None:
+        cmd = self.policy.exec
+        if not cmd:
+            return
+        fill = {"{job}": self.job.name, "{gpu}": "" if gpu is None else str(gpu), "{kind}": kind}
+        argv = [functools.reduce(lambda s, kv: s.replace(*kv), fill.items(), a) for a in cmd]
+        try:
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True,
+                                 env={**os.environ, "TRAINWATCH_JOB": self.job.name,
+                                      "TRAINWATCH_FAULT": kind,
+                                      "TRAINWATCH_GPU": fill["{gpu}"]})
+        except OSError as e:
+            log.error("job %s: exec hook %s: %s", self.job.name, argv[0], e.strerror or e)
+            return
+        log.warning("job %s: exec hook started: %s (pid %d)", self.job.name, " ".join(argv),
+                    p.pid)
+        threading.Thread(target=p.wait, name="trainwatch-exec", daemon=True).start()
+
+    def _handle(self, fault: Fault, action: Action | None = None) -> None:
         a = self.attempt
         assert a is not None
         now = self.clock()
@@ -376,7 +468,8 @@ class JobRunner:
         if failed_start and resumed is not None and self.catalog.start_failed(resumed):
             log.warning("job %s: checkpoint step %d marked bad: %s", self.job.name, resumed,
                         self.catalog.bad[resumed])
-        action = self.policy.action_for(fault.kind)
+        if action is None:
+            action = self.policy.action_for(fault.kind)
         if self.config.observe_only:
             reason, delay, fatal = f"observe_only: would {action.value}", None, False
         else:
@@ -385,6 +478,7 @@ class JobRunner:
         incident = self.ledger.incident(
             fault, action.value, reason, a.number, max(0.0, now - fault.onset),
             observe_only=self.config.observe_only, backoff=delay,
+            injected=fault.evidence.get("source") == "drill",
         )
         ev = ", ".join(f"{k}={v}" for k, v in fault.evidence.items())
         log.warning("job %s: %s (%s) -> %s: %s", self.job.name, fault.kind.value, ev,
@@ -395,6 +489,18 @@ class JobRunner:
                 self._begin_stop(JobState.FATAL, f"{fault.kind.value}: not relaunched ({reason})")
             else:
                 self.hang_latched = True
+            return
+        if action is Action.RESTART_EXCLUDE_GPU:
+            self._exclude(fault)
+            left = self.gpus()
+            if left is not None and len(left) < self.job.gpus.min:
+                self._run_exec_hook(fault.kind.value, fault.gpu)
+                self._begin_stop(JobState.FATAL, f"{fault.kind.value}: only {len(left)} healthy "
+                                 f"GPUs left, the job needs {self.job.gpus.min}")
+                return
+        if action is Action.EXEC:
+            self._run_exec_hook(fault.kind.value, fault.gpu)
+            self._begin_stop(JobState.FATAL, f"{fault.kind.value}: handed to the exec hook")
             return
         if action is Action.STOP or fatal:
             self._begin_stop(JobState.FATAL, f"{fault.kind.value}: {reason}")

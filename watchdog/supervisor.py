@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import selectors
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from types import FrameType
 
 from trainwatch import tree
 from trainwatch.config import Config, ConfigError, Job
+from trainwatch.gpuwatch import GpuWatch
 from trainwatch.job import JobRunner
 from trainwatch.ledger import Ledger
 from trainwatch.sources.heartbeat import SocketInUse
@@ -36,20 +38,26 @@ class Supervisor:
     ) -> None:
         self.config = config
         self.clock = clock
+        for j in jobs if jobs is not None else config.jobs:
+            _check_command(j)
         os.makedirs(config.state_dir, exist_ok=True)
         os.makedirs(config.run_dir, mode=0o755, exist_ok=True)
         self.ledger = Ledger(config.state_dir)
         self.sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.gpus: GpuWatch | None = None
+        if config.gpu.backend != "off":
+            self.gpus = GpuWatch(config.gpu, config.state_dir, self.wake, clock)
         self.runners: list[JobRunner] = []
         try:
             for j in jobs if jobs is not None else config.jobs:
-                self.runners.append(JobRunner(config, j, self.ledger, self.sel, passthrough, clock))
+                self.runners.append(JobRunner(config, j, self.ledger, self.sel, passthrough,
+                                              clock, gpus=self.gpus))
         except SocketInUse as e:
             for r in self.runners:
                 r.close()
             self.ledger.close()
             raise ConfigError(f"{e}: is job {j.name!r} already supervised?") from None
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
         self.stop_signal: int | None = None
         self._stop_sent = False
@@ -58,11 +66,23 @@ class Supervisor:
         with contextlib.suppress(BlockingIOError):
             os.read(fd, 512)
 
+    def wake(self) -> None:
+        """Wake the loop from another thread (a GPU source) or a signal handler."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+
     def request_stop(self, signum: int = signal.SIGINT) -> None:
         """Stop every job and return; safe from a signal handler or another thread."""
         self.stop_signal = signum
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
+        self.wake()
+
+    def _route_gpu_faults(self) -> None:
+        if self.gpus is None:
+            return
+        for fault in self.gpus.drain():
+            for r in self.runners:
+                if not r.done and r.uses_gpu(fault.gpu):
+                    r.on_gpu_fault(fault)
 
     def _handler(self, signum: int, _frame: FrameType | None) -> None:
         self.request_stop(signum)
@@ -76,6 +96,9 @@ class Supervisor:
             for sig in (signal.SIGINT.value, signal.SIGTERM.value):
                 old[sig] = signal.signal(sig, self._handler)
         try:
+            if self.gpus is not None:
+                self.gpus.start()
+                self._route_gpu_faults()
             for r in self.runners:
                 r.start()
             while not all(r.done for r in self.runners):
@@ -88,6 +111,7 @@ class Supervisor:
                 wake = min([now + _MAX_SLEEP, *(r.next_wake(now) for r in self.runners)])
                 for key, _ in self.sel.select(max(0.0, wake - now)):
                     key.data(key.fd)
+                self._route_gpu_faults()
                 now = self.clock()
                 for r in self.runners:
                     r.tick(now)
@@ -100,9 +124,25 @@ class Supervisor:
         return max(r.exit_code for r in self.runners)
 
     def close(self) -> None:
+        if self.gpus is not None:
+            self.gpus.close()
         for r in self.runners:
             r.close()
         self.sel.unregister(self._wake_r)
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.ledger.close()
+
+
+def _check_command(job: Job) -> None:
+    """A missing program is the user's mistake: say so before anything starts."""
+    prog = job.command[0]
+    env_path = job.env.get("PATH", os.environ.get("PATH", os.defpath))
+    if "/" in prog:
+        found = os.path.join(job.workdir or os.getcwd(), prog)
+        ok = os.path.isfile(found) and os.access(found, os.X_OK)
+    else:
+        ok = shutil.which(prog, path=env_path) is not None
+    if not ok:
+        raise ConfigError(f"jobs.{job.name}.command: {prog}: cannot start: "
+                          "No such file or directory (or not executable)")

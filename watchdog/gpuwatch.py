@@ -1,0 +1,205 @@
+"""The host's GPU sources, run for the supervisor loop.
+
+The backend (NVML or simulated) is polled in a thread at ``gpu.poll_interval``
+and the kernel log is tailed in another; NVML's Xid events arrive on its own
+event thread. Everything goes through one queue to the loop's thread, which
+applies drill overlays, runs the detectors (GpuHealth) and routes faults, so
+no detector state is shared between threads. A source that cannot start is
+reported once and leaves the GPUs ``unknown``; it never looks healthy.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import select
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainwatch import atomic
+from trainwatch.config import ConfigError, Gpu
+from trainwatch.drill import Overlay
+from trainwatch.gpuhealth import GpuHealth
+from trainwatch.sources.gpusim import SimGpus
+from trainwatch.sources.kmsg import KernelLog, KernelLogError
+from trainwatch.types import Fault, GpuSample, XidEvent
+
+log = logging.getLogger("trainwatch")
+
+_KMSG_TICK = 0.05  # a kernel-log file (not /dev/kmsg) is read this often
+
+
+class Backend(Protocol):
+    def start(self) -> None: ...
+    def poll(self) -> list[GpuSample]: ...
+    def bus_ids(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+class GpuWatch:
+    def __init__(self, spec: Gpu, state_dir: str, wake: Callable[[], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.spec = spec
+        self.wake = wake
+        self.clock = clock
+        self.health = GpuHealth(thermal_sustain=spec.thermal_sustain)
+        self.overlay = Overlay()
+        self.backend: Backend | None = None
+        self.kmsg: KernelLog | None = None
+        self.indices: list[int] = []
+        self.up: dict[str, bool] = {"nvml": False, "sim": False, "kmsg": False}
+        self._q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._exclusions = Path(state_dir) / "gpus.json"
+
+    # --- lifecycle -----------------------------------------------------------
+
+    def start(self) -> None:
+        backend = self.spec.backend
+        if backend == "sim":
+            self.backend = SimGpus(self.spec.count, self.clock)
+            self.up["sim"] = True
+        elif backend in ("auto", "nvml"):
+            from trainwatch.sources.nvml import GpuUnavailable, NvmlSource
+
+            src = NvmlSource(clock=self.clock)
+            try:
+                src.start()
+            except GpuUnavailable as e:
+                if backend == "nvml":
+                    raise ConfigError(f"gpu.backend: nvml: {e}") from None
+                log.warning("GPU monitoring is off: %s (gpu.backend auto); GPUs are unknown", e)
+                return
+            self.backend = src
+            self.up["nvml"] = True
+            src.start_event_thread(lambda evs: self._put("xids", evs))
+        if self.backend is None:
+            return
+        first = self.backend.poll()
+        self.indices = sorted(s.index for s in first)
+        self._put("samples", first)
+        for idx, why in (atomic.read_json(self._exclusions) or {}).get("excluded", {}).items():
+            self.health.exclude(int(idx), str(why))
+        if self.spec.kmsg:
+            try:
+                self.kmsg = KernelLog(self.spec.kmsg, self.backend.bus_ids(),
+                                      Path(self._exclusions.parent, "kmsg-position.json"),
+                                      self.clock)
+                self.up["kmsg"] = True
+            except (KernelLogError, OSError) as e:
+                log.warning("kernel-log Xids are off: %s", e)
+        self._spawn(self._poll_loop, "trainwatch-gpu-poll")
+        if self.kmsg is not None:
+            self._spawn(self._kmsg_loop, "trainwatch-kmsg")
+
+    def _spawn(self, fn: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=fn, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop.set()
+        stop = getattr(self.backend, "stop", None)
+        if stop is not None:
+            stop()
+        for t in self._threads:
+            t.join(timeout=2)
+        if self.kmsg is not None:
+            self.kmsg.close()
+        if self.backend is not None:
+            self.backend.close()
+
+    # --- the threads -----------------------------------------------------------
+
+    def _put(self, kind: str, item: Any) -> None:
+        self._q.put((kind, item))
+        self.wake()
+
+    def _poll_loop(self) -> None:
+        assert self.backend is not None
+        while not self._stop.wait(self.spec.poll_interval):
+            try:
+                self._put("samples", self.backend.poll())
+            except Exception:  # a source's failure is logged and counted, never fatal
+                log.exception("GPU poll failed")
+                self._put("down", None)
+
+    def _kmsg_loop(self) -> None:
+        k = self.kmsg
+        assert k is not None
+        while not self._stop.is_set():
+            if k.selectable:
+                select.select([k], [], [], 0.5)
+            else:
+                self._stop.wait(_KMSG_TICK)
+            events = k.read()
+            if events:
+                self._put("xids", events)
+
+    # --- the loop's side -------------------------------------------------------
+
+    def drain(self) -> list[Fault]:
+        """Everything the threads delivered -> faults (call from the loop's thread)."""
+        faults: list[Fault] = []
+        while True:
+            try:
+                kind, item = self._q.get_nowait()
+            except queue.Empty:
+                return faults
+            if kind == "samples":
+                faults += self.health.samples(self.overlay.apply(item))
+            elif kind == "xids":
+                for ev in item:
+                    f = self.health.xid(ev)
+                    if f is not None:
+                        faults.append(f)
+            elif kind == "down":
+                self.health.source_down()
+
+    def inject_xid(self, gpu: int, xid: int, message: str = "") -> None:
+        """A drill: handled exactly like an Xid from NVML, marked injected."""
+        self._check(gpu)
+        ev = XidEvent(xid, self.clock(), "drill", gpu=gpu, message=message, injected=True)
+        self._put("xids", [ev])
+
+    def _check(self, gpu: int) -> None:
+        if self.backend is None:
+            raise ValueError("GPU monitoring is off (gpu.backend)")
+        if gpu not in self.indices:
+            raise ValueError(f"no GPU {gpu} (GPUs: {', '.join(map(str, self.indices))})")
+
+    def inject(self, what: str, gpu: int, uncorrected: bool = False) -> None:
+        """ecc, thermal or lost on one GPU, riding on its next samples."""
+        self._check(gpu)
+        if what == "ecc":
+            self.overlay.ecc(gpu, uncorrected)
+        elif what == "thermal":
+            self.overlay.thermal(gpu)
+        elif what == "lost":
+            self.overlay.lost(gpu)
+        else:
+            raise ValueError(f"unknown drill {what!r}")
+
+    # --- exclusions, persisted ---------------------------------------------------
+
+    def exclude(self, gpu: int, why: str) -> None:
+        self.health.exclude(gpu, why)
+        self._save()
+
+    def clear(self, gpu: int) -> None:
+        self.health.clear(gpu)
+        self.overlay.clear(gpu)
+        self._save()
+
+    def _save(self) -> None:
+        atomic.write_json(self._exclusions, {"excluded": self.health.excluded()})
+
+    def healthy(self, devices: tuple[int, ...] | None) -> list[int]:
+        """Of these GPUs (None: all), the ones not excluded."""
+        pool = self.indices if devices is None else list(devices)
+        excluded = self.health.excluded()
+        return [g for g in pool if g not in excluded]
