@@ -65,7 +65,8 @@ def main() -> int:
         if a.fail_on_load is not None and start == a.fail_on_load:
             journal(a.journal, event="load_failed", step=start, path=resume)
             return 1
-    journal(a.journal, event="start", step=start, resume=resume)
+    journal(a.journal, event="start", step=start, resume=resume,
+            gpus=os.environ.get("CUDA_VISIBLE_DEVICES"))
     if a.escapee:
         escape(a.escapee)
 

@@ -1,0 +1,449 @@
+"""The control channel on real AF_UNIX sockets (round trips, the kernel's
+SO_PASSCRED credentials of a child dropped to uid 65534, malformed and
+oversized requests, a failing handler) and the `faultinject` GPU drills run as
+real processes against it, including the kernel-log drill read back by the
+kernel-log source."""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import selectors
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import Workspace
+from trainwatch.control import (
+    MAX_REQUEST,
+    ControlError,
+    ControlSocket,
+    SocketInUse,
+    control_path,
+    request,
+)
+from trainwatch.sources.kmsg import KernelLog, parse_line
+
+NOBODY = 65534
+Calls = list[tuple[str, dict[str, Any]]]
+
+
+def _require_root() -> None:
+    """Dropping to another uid needs root; in CI not being root is a failure, not a skip."""
+    if os.geteuid() == 0:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail("this test must run as root in CI (it drops privileges to uid 65534)")
+    pytest.skip("needs root to drop privileges to uid 65534")
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="tw", dir="/tmp")  # short: AF_UNIX paths are <= 107 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _recorder(calls: Calls) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
+    def handler(op: str, args: dict[str, Any]) -> dict[str, Any]:
+        calls.append((op, args))
+        if op == "boom":
+            raise RuntimeError("exploded\nwith a second line")
+        if args.get("gpu") == 9:
+            raise ValueError("no GPU 9 on this host")
+        return {"done": op}
+
+    return handler
+
+
+class Served:
+    """A ControlSocket answered by a selector loop in a thread, as the daemon would."""
+
+    def __init__(self, run_dir: str, group: str = "trainwatch") -> None:
+        self.calls: Calls = []
+        self.sock = ControlSocket(run_dir, _recorder(self.calls), group=group)
+        self._r, self._w = os.pipe()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.sock, selectors.EVENT_READ)
+            sel.register(self._r, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    if key.fileobj == self._r:
+                        return
+                self.sock.handle()
+
+    def stop(self) -> None:
+        os.write(self._w, b"x")
+        self._thread.join(timeout=10)
+        self.sock.close()
+        os.close(self._r)
+        os.close(self._w)
+
+
+@pytest.fixture
+def served(run_dir: str) -> Iterator[Served]:
+    s = Served(run_dir)
+    yield s
+    s.stop()
+
+
+def _client() -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(f"\0tw-test-{os.getpid()}-{id(s)}".encode())
+    s.settimeout(10)
+    return s
+
+
+def _as_nobody(run_dir: str, cs: ControlSocket, gid: int = NOBODY) -> dict[str, Any]:
+    """request() from a forked child running as uid 65534 (no supplementary
+    groups, primary group ``gid``), served here by handle(); the child's result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop privileges, ask, report through the pipe
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(NOBODY)
+            try:
+                out: dict[str, Any] = {"reply": request(run_dir, "gpu-xid", {"gpu": 0}, 10)}
+            except ControlError as e:
+                out = {"error": str(e)}
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with selectors.DefaultSelector() as sel:
+        sel.register(cs, selectors.EVENT_READ)
+        sel.register(r, selectors.EVENT_READ)
+        while not any(key.fileobj == r for key, _ in sel.select(timeout=10)):
+            cs.handle()
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return dict(json.loads(data))
+
+
+def _open_to_all(run_dir: str, path: str) -> None:
+    """Loosen the file modes so that only the SO_PASSCRED check stands in the way."""
+    os.chmod(run_dir, 0o755)
+    os.chmod(path, 0o666)
+
+
+def _faultinject(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "faultinject.cli", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+# --- the socket --------------------------------------------------------------
+
+
+def test_request_round_trip(served: Served, run_dir: str) -> None:
+    """A v1 request reaches the handler with its args and its reply comes back."""
+    reply = request(run_dir, "gpu-xid", {"gpu": 1, "xid": 79})
+    assert reply == {"ok": True, "done": "gpu-xid"}
+    assert served.calls == [("gpu-xid", {"gpu": 1, "xid": 79})]
+    assert served.sock.counters.requests == 1
+    assert served.sock.counters.refused == served.sock.counters.malformed == 0
+
+
+def test_socket_is_0660_and_owned_by_the_group(run_dir: str) -> None:
+    """The socket file is mode 0o660 and group-owned by the configured group."""
+    groups = os.getgroups() if os.geteuid() else [g.gr_gid for g in grp.getgrall()]
+    other = [g for g in groups if g != os.getegid()]
+    if not other:
+        pytest.skip("no second group to hand the socket to")
+    name = grp.getgrgid(other[0]).gr_name
+    cs = ControlSocket(run_dir, _recorder([]), group=name)
+    try:
+        st = os.stat(control_path(run_dir))
+        assert stat.S_ISSOCK(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o660
+        assert st.st_gid == other[0]
+    finally:
+        cs.close()
+    assert not os.path.exists(control_path(run_dir))
+
+
+def test_unauthorised_sender_is_refused_and_counted(run_dir: str) -> None:
+    """A uid-65534 sender outside the group gets ok=false even through a loosened file mode."""
+    _require_root()
+    calls: Calls = []
+    cs = ControlSocket(run_dir, _recorder(calls), group="tw-no-such-group")
+    try:
+        _open_to_all(run_dir, cs.path)
+        out = _as_nobody(run_dir, cs)
+        assert out["reply"]["ok"] is False
+        assert "not permitted" in out["reply"]["error"]
+        assert cs.counters.refused == 1
+        assert calls == []
+    finally:
+        cs.close()
+
+
+def test_file_mode_keeps_outsiders_out(run_dir: str) -> None:
+    """Without a loosened mode, an outsider's request() fails at the file with one line."""
+    _require_root()
+    cs = ControlSocket(run_dir, _recorder([]), group="tw-no-such-group")
+    try:
+        os.chmod(run_dir, 0o755)
+        out = _as_nobody(run_dir, cs)
+        assert "permission denied" in out["error"]
+        assert "\n" not in out["error"]
+        assert cs.counters.requests == 0
+    finally:
+        cs.close()
+
+
+def test_member_of_the_group_is_allowed(run_dir: str) -> None:
+    """A non-root sender whose group is the configured group is answered."""
+    _require_root()
+    try:
+        group = grp.getgrgid(NOBODY).gr_name
+    except KeyError:
+        pytest.skip("no group with gid 65534 on this machine")
+    calls: Calls = []
+    cs = ControlSocket(run_dir, _recorder(calls), group=group)
+    try:
+        os.chmod(run_dir, 0o755)  # the socket itself stays 0o660, group 65534
+        out = _as_nobody(run_dir, cs, gid=NOBODY)
+        assert out["reply"] == {"ok": True, "done": "gpu-xid"}
+        assert calls == [("gpu-xid", {"gpu": 0})]
+        assert cs.counters.refused == 0
+    finally:
+        cs.close()
+
+
+@pytest.mark.parametrize("data", [
+    pytest.param(b"not json", id="not-json"),
+    pytest.param(b"\xff\xfe", id="not-utf8"),
+    pytest.param(b"[1, 2]", id="not-an-object"),
+    pytest.param(b'{"v": 2, "op": "gpu-xid", "args": {}}', id="wrong-version"),
+    pytest.param(b'{"v": true, "op": "gpu-xid"}', id="bool-version"),
+    pytest.param(b'{"v": 1, "args": {}}', id="no-op"),
+    pytest.param(b'{"v": 1, "op": "gpu-xid", "args": [1]}', id="args-not-object"),
+    pytest.param(b"[" * 100000, id="oversized"),
+])
+def test_malformed_request_gets_an_error_and_is_counted(
+    served: Served, run_dir: str, data: bytes
+) -> None:
+    """Malformed and oversized requests get ok=false, are counted, never reach the handler."""
+    with _client() as c:
+        c.sendto(data, control_path(run_dir))
+        reply = json.loads(c.recv(65536))
+    assert reply["ok"] is False
+    assert "\n" not in reply["error"]
+    assert served.sock.counters.malformed == 1
+    assert served.calls == []
+    if len(data) > MAX_REQUEST:
+        assert "larger than" in reply["error"]
+
+
+def test_unbound_sender_is_counted_without_a_reply(served: Served, run_dir: str) -> None:
+    """A malformed request from an unbound socket is counted; there is nowhere to answer."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(b"garbage", control_path(run_dir))
+    assert request(run_dir, "ping", {}) == {"ok": True, "done": "ping"}  # served in order
+    assert served.sock.counters.malformed == 1
+    assert served.sock.counters.unanswered == 1
+
+
+def test_handler_exception_is_one_line_and_the_server_lives_on(
+    served: Served, run_dir: str
+) -> None:
+    """A handler that raises gives an ok=false reply of one line; the next request is served."""
+    reply = request(run_dir, "boom", {})
+    assert reply["ok"] is False
+    assert reply["error"] == "boom: exploded with a second line"
+    assert served.sock.counters.failed == 1
+    assert request(run_dir, "gpu-lost", {"gpu": 2}) == {"ok": True, "done": "gpu-lost"}
+
+
+def test_request_to_a_missing_socket_is_one_line(run_dir: str) -> None:
+    """request() with no trainwatch behind run_dir raises ControlError naming the path."""
+    with pytest.raises(ControlError) as e:
+        request(run_dir, "gpu-xid", {"gpu": 1})
+    text = str(e.value)
+    assert "\n" not in text
+    assert control_path(run_dir) in text
+    assert "is trainwatch running with this run_dir?" in text
+
+
+def test_request_to_a_stale_socket_is_one_line(run_dir: str) -> None:
+    """A socket file nobody is bound to any more: ControlError, one line."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(control_path(run_dir))
+    s.close()
+    with pytest.raises(ControlError, match="nothing is listening") as e:
+        request(run_dir, "gpu-xid", {"gpu": 1})
+    assert "\n" not in str(e.value)
+
+
+def test_request_without_a_reply_times_out(run_dir: str) -> None:
+    """A listener that never answers: ControlError after the timeout, one line."""
+    cs = ControlSocket(run_dir, _recorder([]))  # never handle()d
+    try:
+        with pytest.raises(ControlError, match="no reply within") as e:
+            request(run_dir, "gpu-xid", {"gpu": 1}, timeout=0.2)
+        assert "\n" not in str(e.value)
+    finally:
+        cs.close()
+
+
+def test_second_socket_on_a_live_path_is_refused(served: Served, run_dir: str) -> None:
+    """Another ControlSocket on the same run_dir is refused; the first keeps serving."""
+    with pytest.raises(SocketInUse, match="another trainwatch is listening"):
+        ControlSocket(run_dir, _recorder([]))
+    assert request(run_dir, "ping", {})["ok"] is True
+
+
+def test_stale_socket_file_is_replaced(run_dir: str) -> None:
+    """A socket file left by a dead trainwatch is removed and bound afresh."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(control_path(run_dir))
+    s.close()
+    srv = Served(run_dir)
+    try:
+        assert request(run_dir, "ping", {}) == {"ok": True, "done": "ping"}
+    finally:
+        srv.stop()
+
+
+# --- faultinject -------------------------------------------------------------
+
+
+def test_faultinject_gpu_xid_reaches_the_handler(served: Served, run_dir: str) -> None:
+    """`faultinject gpu-xid --gpu 1 --xid 79` sends gpu 1, Xid 79 and prints one line."""
+    p = _faultinject("gpu-xid", "--gpu", "1", "--xid", "79", "--run-dir", run_dir)
+    assert p.returncode == 0, p.stderr
+    assert len(served.calls) == 1
+    op, args = served.calls[0]
+    assert op == "gpu-xid"
+    assert {"gpu": args["gpu"], "xid": args["xid"]} == {"gpu": 1, "xid": 79}
+    assert args["message"] == "GPU has fallen off the bus"  # the catalog's text by default
+    assert p.stdout.count("\n") == 1
+    assert "Xid 79 on GPU 1" in p.stdout
+    assert '"done": "gpu-xid"' in p.stdout
+
+
+@pytest.mark.parametrize(("argv", "op", "args"), [
+    (["gpu-lost", "--gpu", "2"], "gpu-lost", {"gpu": 2}),
+    (["ecc", "--gpu", "0"], "ecc", {"gpu": 0, "uncorrected": False}),
+    (["ecc", "--gpu", "0", "--uncorrected"], "ecc", {"gpu": 0, "uncorrected": True}),
+    (["thermal", "--gpu", "3"], "thermal", {"gpu": 3}),
+    (["gpu-xid", "--gpu", "0", "--xid", "13", "--message", "Graphics SM Warp Exception"],
+     "gpu-xid", {"gpu": 0, "xid": 13, "message": "Graphics SM Warp Exception"}),
+])
+def test_faultinject_gpu_drills_send_their_ops(
+    served: Served, run_dir: str, argv: list[str], op: str, args: dict[str, Any]
+) -> None:
+    """Each GPU drill sends its op with its args and exits 0."""
+    p = _faultinject(*argv, "--run-dir", run_dir)
+    assert p.returncode == 0, p.stderr
+    assert served.calls == [(op, args)]
+
+
+def test_faultinject_finds_run_dir_in_the_config(ws: Workspace) -> None:
+    """--config F: the drill goes to the run_dir that F names."""
+    config = ws.config({"command": ["true"]})
+    srv = Served(str(ws.root / "run"))
+    try:
+        p = _faultinject("thermal", "--gpu", "1", "--config", str(config))
+        assert p.returncode == 0, p.stderr
+        assert srv.calls == [("thermal", {"gpu": 1})]
+    finally:
+        srv.stop()
+
+
+def test_faultinject_without_a_daemon_is_one_line(run_dir: str) -> None:
+    """With nothing listening: exit 2, one stderr line saying what to check."""
+    p = _faultinject("gpu-xid", "--gpu", "1", "--xid", "79", "--run-dir", run_dir)
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert p.stderr.count("\n") == 1
+    assert p.stderr.startswith("faultinject: ")
+    assert "is trainwatch running with this run_dir?" in p.stderr
+
+
+def test_faultinject_refused_by_trainwatch_is_one_line(served: Served, run_dir: str) -> None:
+    """trainwatch's ok=false reply: exit 2 and its error on one stderr line."""
+    p = _faultinject("gpu-lost", "--gpu", "9", "--run-dir", run_dir)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1
+    assert "no GPU 9 on this host" in p.stderr
+
+
+def test_faultinject_kmsg_writes_a_line_the_kernel_log_source_reads(run_dir: str) -> None:
+    """--kmsg appends a real-format NVRM: Xid line: parse_line and KernelLog read Xid 79 there."""
+    log = Path(run_dir) / "kern.log"
+    log.write_text("kernel: unrelated line\n")
+    reader = KernelLog(str(log), pci_to_gpu={"00000000:06:00.0": 1})  # starts at the end
+    try:
+        p = _faultinject("gpu-xid", "--xid", "79", "--kmsg", str(log), "--pci", "0000:06:00")
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.count("\n") == 1
+        last = log.read_text().splitlines()[-1]
+        assert last.startswith("NVRM: Xid (PCI:0000:06:00): 79, pid=")
+        parsed = parse_line(last)
+        assert parsed is not None
+        assert (parsed.xid, parsed.pci, parsed.process) == (79, "00000000:06:00.0", "faultinject")
+        assert parsed.message == "GPU has fallen off the bus"
+        events = reader.read()
+        assert [(e.xid, e.gpu, e.pci, e.source) for e in events] == [
+            (79, 1, "00000000:06:00.0", "kmsg")]
+    finally:
+        reader.close()
+
+
+def test_faultinject_kmsg_takes_the_nvml_bus_id_form(run_dir: str) -> None:
+    """--pci in NVML's form (as the sim backend names its GPUs) gives the kernel's form."""
+    log = Path(run_dir) / "kern.log"
+    p = _faultinject("gpu-xid", "--xid", "48", "--kmsg", str(log), "--pci", "00000000:1B:00.0")
+    assert p.returncode == 0, p.stderr
+    parsed = parse_line(log.read_text().splitlines()[-1])
+    assert parsed is not None
+    assert (parsed.xid, parsed.pci) == (48, "00000000:1B:00.0")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--xid", "79", "--kmsg", "F"], "expected --pci too"),
+    (["--xid", "79", "--kmsg", "F", "--pci", "0000:06:00", "--gpu", "1"], "--pci alone"),
+    (["--xid", "79", "--kmsg", "F", "--pci", "not-a-bus"], "expected a PCI address"),
+    (["--xid", "79", "--kmsg", "F", "--pci", "0000:06:00.1"], "function 0 only"),
+    (["--xid", "79", "--kmsg", "F", "--pci", "0000:06:00", "--message", "a\nb"], "one line"),
+    (["--xid", "79"], "expected --gpu N"),
+    (["--gpu", "1", "--xid", "79", "--pci", "0000:06:00"], "only with --kmsg"),
+])
+def test_faultinject_gpu_xid_mistakes_are_one_line(
+    run_dir: str, argv: list[str], says: str
+) -> None:
+    """A wrong combination of gpu-xid flags: exit 2, one line saying what was expected."""
+    args = [str(Path(run_dir) / "kern.log") if a == "F" else a for a in argv]
+    p = _faultinject("gpu-xid", *args)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1
+    assert says in p.stderr
+    assert not (Path(run_dir) / "kern.log").exists()
+
+
+def test_faultinject_kmsg_refuses_a_device(run_dir: str) -> None:
+    """--kmsg /dev/kmsg: refused with one line (userspace lines there are ignored as foreign)."""
+    if not os.path.exists("/dev/kmsg"):
+        pytest.skip("no /dev/kmsg here")
+    p = _faultinject("gpu-xid", "--xid", "79", "--kmsg", "/dev/kmsg", "--pci", "0000:06:00")
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1
+    assert "is a device" in p.stderr

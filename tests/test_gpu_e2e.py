@@ -1,0 +1,81 @@
+"""End to end with the simulated GPU backend: Xids in a real-format kernel log
+reach the job through the real `trainwatch run`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import Workspace, finish, wait_for
+
+XID79_GPU1 = "NVRM: Xid (PCI:0000:11:00): 79, pid=4242, name=python, GPU has fallen off the bus.\n"
+XID63_GPU2 = ("NVRM: Xid (PCI:0000:12:00): 63, pid=4242, name=python, Row Remapper: New row "
+              "marked for remapping, reset gpu to activate.\n")
+
+
+def _gpu_config(ws: Workspace, steps: str = "400") -> tuple[Path, Path]:
+    kern = ws.root / "kern.log"
+    kern.write_text("")
+    cfg = ws.config(
+        {"command": ws.worker("--steps", steps), "gpus": {"devices": [0, 1, 2, 3], "min": 2}},
+        {"max_restarts": 3},
+        gpu={"backend": "sim", "count": 4, "kmsg": str(kern), "poll_interval": "0.2s"},
+    )
+    return cfg, kern
+
+
+def test_xid_79_relaunches_the_job_without_that_gpu(ws: Workspace) -> None:
+    """Xid 79 on GPU 1 (kernel log): the job is relaunched with CUDA_VISIBLE_DEVICES=0,2,3."""
+    cfg, kern = _gpu_config(ws)
+    p = ws.run(cfg)
+    wait_for(lambda: (ws.status().get("step") or 0) >= 15, what="the job to beat")
+    with open(kern, "a") as f:
+        f.write(XID79_GPU1)
+    starts = wait_for(lambda: [e for e in ws.events() if e["event"] == "start"][1:],
+                      what="the relaunch")
+    assert starts[0]["gpus"] == "0,2,3"
+    assert next(e["gpus"] for e in ws.events() if e["event"] == "start") == "0,1,2,3"
+    rc, out = finish(p, timeout=60)
+    assert rc == 0, out
+    [inc] = ws.incidents()
+    assert inc["kind"] == "gpu_xid" and inc["gpu"] == 1 and inc["action"] == "restart_exclude_gpu"
+    ev = json.loads(inc["evidence"])
+    assert ev["xid"] == 79 and ev["source"] == "kmsg" and ev["class"] == "RESTART_BM"
+    excluded = json.loads((ws.state / "gpus.json").read_text())["excluded"]
+    assert list(excluded) == ["1"]
+
+
+def test_xid_63_only_raises_an_alert(ws: Workspace) -> None:
+    """Xid 63 (row remapping, IGNORE class) is recorded as an alert; the job runs on untouched."""
+    cfg, kern = _gpu_config(ws, steps="150")
+    p = ws.run(cfg)
+    wait_for(lambda: (ws.status().get("step") or 0) >= 15, what="the job to beat")
+    with open(kern, "a") as f:
+        f.write(XID63_GPU2)
+    wait_for(lambda: ws.incidents(), what="the incident")
+    rc, out = finish(p, timeout=60)
+    assert rc == 0, out
+    [inc] = ws.incidents()
+    assert inc["kind"] == "gpu_xid" and inc["gpu"] == 2 and inc["action"] == "alert"
+    assert {e["attempt"] for e in ws.events()} == {0}
+
+
+def test_too_few_gpus_left_stops_the_job_and_runs_the_exec_hook(ws: Workspace) -> None:
+    """With min 4 of 4 GPUs, losing one stops the job (fatal) and runs the operator hook."""
+    marker = ws.root / "hook.out"
+    kern = ws.root / "kern.log"
+    kern.write_text("")
+    cfg = ws.config(
+        {"command": ws.worker("--steps", "100000"), "gpus": {"devices": [0, 1, 2, 3], "min": 4}},
+        {"exec": ["sh", "-c", f"echo {{job}} {{gpu}} {{kind}} > {marker}"]},
+        gpu={"backend": "sim", "count": 4, "kmsg": str(kern)},
+    )
+    p = ws.run(cfg)
+    wait_for(lambda: (ws.status().get("step") or 0) >= 5, what="the job to beat")
+    with open(kern, "a") as f:
+        f.write(XID79_GPU1)
+    rc, out = finish(p, timeout=60)
+    assert rc == 1, out
+    assert wait_for(lambda: marker.exists() and marker.read_text(), what="the hook") == (
+        "job 1 gpu_xid\n")
+    assert ws.transitions()[-1] == "fatal"
