@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from trainwatch.config import ConfigError, default_dirs, load
+from trainwatch.control import control_path
 
 from faultinject import drills
 
@@ -27,6 +30,26 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(msg) from None
 
 
+def _index(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a GPU index (0, 1, ...), got {text!r}")
+    return n
+
+
+def _xid(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 99999:
+        raise argparse.ArgumentTypeError(f"expected an Xid number such as 79, got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="faultinject", description="Inject faults into a supervised job.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -43,12 +66,90 @@ def build_parser() -> argparse.ArgumentParser:
     common(h)
     h.add_argument("--rank", type=int)
     h.add_argument("--seconds", type=_seconds, help="resume it after this long")
+
+    def gpu(sp: argparse.ArgumentParser, required: bool = True) -> None:
+        sp.add_argument("--gpu", type=_index, required=required, help="the GPU's NVML index")
+        sp.add_argument("--run-dir", help="trainwatch's run_dir (where control.sock is)")
+        sp.add_argument("--config", help="or: the config that names it")
+
+    x = sub.add_parser("gpu-xid", help="report an Xid on a GPU, as the driver would")
+    gpu(x, required=False)
+    x.add_argument("--xid", type=_xid, required=True, help="the Xid number, e.g. 79")
+    x.add_argument("--message", help="the driver's text after the number "
+                                     "(default: the Xid catalog's description)")
+    x.add_argument("--kmsg", metavar="FILE",
+                   help="append a real-format NVRM: Xid line to this text file instead "
+                        "(with --pci, not --gpu)")
+    x.add_argument("--pci", help="with --kmsg: the GPU's PCI address, e.g. 0000:06:00")
+    gpu(sub.add_parser("gpu-lost", help="make a GPU read as fallen off the bus"))
+    e = sub.add_parser("ecc", help="a pending row remap (or an uncorrected ECC error) on a GPU")
+    gpu(e)
+    e.add_argument("--uncorrected", action="store_true", help="a new uncorrected ECC error")
+    gpu(sub.add_parser("thermal", help="a sustained HW thermal slowdown on a GPU"))
     return p
+
+
+_SYSTEM_RUN_DIR = "/run/trainwatch"
+
+
+def _run_dir(args: argparse.Namespace) -> str:
+    """--run-dir, else the config's run_dir, else this user's default run_dir or,
+    when nothing listens there, the system daemon's."""
+    if args.run_dir:
+        return str(args.run_dir)
+    if args.config:
+        return load(args.config).run_dir
+    mine = default_dirs()[1]
+    if mine != _SYSTEM_RUN_DIR and not os.path.exists(control_path(mine)) \
+            and os.path.exists(control_path(_SYSTEM_RUN_DIR)):
+        return _SYSTEM_RUN_DIR
+    return mine
+
+
+def _said(reply: dict[str, Any]) -> str:
+    return f"trainwatch replied {json.dumps(reply, sort_keys=True)}" if reply else \
+        "trainwatch accepted it"
+
+
+def _gpu_drill(args: argparse.Namespace) -> str:
+    """Carry out a GPU drill; the line that says what was done."""
+    if args.cmd == "gpu-xid" and args.kmsg is not None:
+        if args.pci is None:
+            raise drills.DrillError("--kmsg: expected --pci too (the kernel log names the GPU "
+                                    "by its PCI address, e.g. --pci 0000:06:00)")
+        if args.gpu is not None or args.run_dir or args.config:
+            raise drills.DrillError("--kmsg: expected --pci alone, not --gpu, --run-dir or "
+                                    "--config (the line goes to the file, not to trainwatch)")
+        line = drills.kmsg_xid(args.kmsg, args.pci, args.xid, args.message)
+        return f"faultinject: appended to {args.kmsg}: {line}"
+    if args.cmd == "gpu-xid":
+        if args.pci is not None:
+            raise drills.DrillError("--pci: only with --kmsg (give --gpu for trainwatch)")
+        if args.gpu is None:
+            raise drills.DrillError("gpu-xid: expected --gpu N (or --kmsg FILE with --pci)")
+    run_dir = _run_dir(args)
+    if args.cmd == "gpu-xid":
+        reply = drills.gpu_xid(run_dir, args.gpu, args.xid, args.message)
+        what = f"Xid {args.xid} on GPU {args.gpu}"
+    elif args.cmd == "gpu-lost":
+        reply = drills.gpu_lost(run_dir, args.gpu)
+        what = f"a lost GPU {args.gpu}"
+    elif args.cmd == "ecc":
+        reply = drills.ecc(run_dir, args.gpu, args.uncorrected)
+        kind = "an uncorrected ECC error" if args.uncorrected else "a pending row remap"
+        what = f"{kind} on GPU {args.gpu}"
+    else:
+        reply = drills.thermal(run_dir, args.gpu)
+        what = f"a thermal slowdown on GPU {args.gpu}"
+    return f"faultinject: injected {what}; {_said(reply)}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.cmd in ("gpu-xid", "gpu-lost", "ecc", "thermal"):
+            print(_gpu_drill(args))
+            return 0
         state_dir = args.state_dir or (load(args.config).state_dir if args.config
                                        else default_dirs()[0])
         if args.cmd == "crash":

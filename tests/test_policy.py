@@ -134,3 +134,12 @@ def test_non_relaunching_action_leaves_history_alone(kind: FaultKind, action: Ac
     assert (d.delay, d.fatal) == (0.0, False)
     assert list(history.restarts) == [1.0, 2.0]
     assert history.consecutive == 2
+
+
+def test_an_explicit_action_is_budgeted_like_the_policys_own() -> None:
+    """An Xid's class-derived restart_exclude_gpu gets a backoff and counts against the budget."""
+    policy, history = _policy(max_restarts=1), RestartHistory()
+    first = decide(policy, CRASH, history, 0.0, 1.0, _rng(), Action.RESTART_EXCLUDE_GPU)
+    assert first.action is Action.RESTART_EXCLUDE_GPU and not first.fatal and first.delay > 0
+    second = decide(policy, CRASH, history, 1.0, 1.0, _rng(), Action.RESTART_EXCLUDE_GPU)
+    assert second.fatal

@@ -362,6 +362,8 @@ def test_demo_recovers_from_a_crash_and_a_hang() -> None:
     assert p.returncode == 0, p.stdout + p.stderr
     assert "incident 1: crash (SIGKILL)" in p.stdout
     assert "incident 2: hang (rank 0 silent" in p.stdout
+    assert "incident 3: Xid 79 on GPU 1" in p.stdout
+    assert "relaunched on  GPUs 0,2,3 (GPU 1 excluded)" in p.stdout
     assert "== an uninterrupted run's" in p.stdout and "demo passed" in p.stdout
 
 

@@ -400,7 +400,7 @@ class JobRunner:
 
     def on_gpu_fault(self, fault: Fault) -> None:
         """A fault of one of this job's GPUs (routed here by the supervisor)."""
-        fault = dataclasses.replace(fault, job=self.job.name)
+        fault = dataclasses.replace(fault, job=self.job.name, onset_step=self.last_step)
         action = self._gpu_action(fault)
         if self.state in (JobState.STARTING, JobState.RUNNING):
             self._handle(fault, action)
@@ -473,7 +473,7 @@ class JobRunner:
         if self.config.observe_only:
             reason, delay, fatal = f"observe_only: would {action.value}", None, False
         else:
-            d = decide(self.policy, fault, self.history, now, now - a.started, self.rng)
+            d = decide(self.policy, fault, self.history, now, now - a.started, self.rng, action)
             reason, delay, fatal = d.reason, d.delay, d.fatal
         incident = self.ledger.incident(
             fault, action.value, reason, a.number, max(0.0, now - fault.onset),

@@ -46,9 +46,12 @@ def decide(
     now: float,
     attempt_ran_for: float,
     rng: random.Random,
+    action: Action | None = None,
 ) -> Decision:
-    """Pure apart from updating ``history`` when it grants a restart."""
-    action = policy.action_for(fault.kind)
+    """Pure apart from updating ``history`` when it grants a restart. ``action``:
+    when the caller already knows it (an Xid's class), else the policy's for the kind."""
+    if action is None:
+        action = policy.action_for(fault.kind)
     if action not in _RELAUNCHING:
         return Decision(
             action, reason=f"policy {policy.name}: {fault.kind.value} -> {action.value}"

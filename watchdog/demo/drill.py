@@ -23,6 +23,7 @@ from typing import Any
 
 from trainwatch.config import from_mapping
 from trainwatch.demo import trainer
+from trainwatch.gpuwatch import GpuWatch
 from trainwatch.job import JobRunner
 from trainwatch.ledger import Ledger
 from trainwatch.supervisor import Supervisor
@@ -34,6 +35,7 @@ JOB = "demo"
 STEPS = 600
 CKPT_EVERY = 50
 HANG_TIMEOUT = 2.0
+XID_GPU = 1
 
 
 def _config(tmp: Path, seed: int) -> dict[str, Any]:
@@ -49,8 +51,11 @@ def _config(tmp: Path, seed: int) -> dict[str, Any]:
                             "--journal", str(tmp / "journal.jsonl")],
                 "checkpoints": {"dir": str(tmp / "ckpt"), "pattern": "step_{step}.npz"},
                 "heartbeat": {"timeout": HANG_TIMEOUT},
+                "gpus": {"devices": [0, 1, 2, 3], "min": 2},
             }
         ],
+        # Four simulated GPUs; their Xids come from the drill (kmsg off: not this host's).
+        "gpu": {"backend": "sim", "count": 4, "kmsg": None},
         "policies": {
             "default": {
                 "max_restarts": 5,
@@ -64,10 +69,12 @@ def _config(tmp: Path, seed: int) -> dict[str, Any]:
 class _Drill(threading.Thread):
     """Waits for the job to reach each seeded step, then injects that fault."""
 
-    def __init__(self, state_dir: str, runner: JobRunner, plan: list[tuple[str, int]]) -> None:
+    def __init__(self, state_dir: str, runner: JobRunner, gpus: GpuWatch | None,
+                 plan: list[tuple[str, int]]) -> None:
         super().__init__(name="drill", daemon=True)
         self.state_dir = state_dir
         self.runner = runner
+        self.gpus = gpus
         self.plan = plan
         self.injected: list[dict[str, Any]] = []
         self.finished = threading.Event()
@@ -89,8 +96,12 @@ class _Drill(threading.Thread):
                 at = time.time()
                 if kind == "crash":
                     what = f"SIGKILL to pid {drills.crash(self.state_dir, JOB)}"
-                else:
+                elif kind == "hang":
                     what = f"SIGSTOP to {drills.hang(self.state_dir, JOB, rank=0)}"
+                else:  # the path the control socket's gpu-xid drill takes
+                    assert self.gpus is not None
+                    self.gpus.inject_xid(XID_GPU, 79, "GPU has fallen off the bus.")
+                    what = f"Xid 79 on simulated GPU {XID_GPU}"
             except drills.DrillError as e:
                 log.warning("drill: %s not injected: %s", kind, e)
                 continue
@@ -119,6 +130,8 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
         ev = inc["evidence"]
         if inc["kind"] == "crash":
             cause = f"crash ({ev.get('signal') or 'exit ' + str(ev.get('exit_code'))})"
+        elif inc["kind"] == "gpu_xid":
+            cause = f"Xid {ev.get('xid')} on GPU {inc['gpu']} ({ev.get('class')})"
         else:
             cause = f"hang (rank {inc['rank']} silent for {ev.get('no_beat_for_s')} s)"
         print(f"incident {n}: {cause} at step {inc['onset_step']}")
@@ -134,6 +147,11 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
                   f"({backoff:.3f} s of it policy backoff)")
             where = Path(inc["resumed_from"]).name if inc["resumed_from"] else "a fresh start"
             print(f"  resumed from   {where} (step {inc['resumed_step']})")
+            if inc["action"] == "restart_exclude_gpu":
+                gpus = [e.get("gpus") for e in events
+                        if e["event"] == "resume" and e["step"] == inc["resumed_step"]]
+                print(f"  relaunched on  GPUs {gpus[-1] if gpus else '?'} "
+                      f"(GPU {inc['gpu']} excluded)")
             print(f"  steps lost     {inc['steps_lost']}")
         print()
     ok &= len(incidents) == len(drill.plan)
@@ -173,11 +191,12 @@ def run_demo(seed: int = 7, keep: bool = False) -> int:
     # Short, so that the socket path fits in sun_path.
     tmp = Path(tempfile.mkdtemp(prefix="twdemo-"))
     rng = random.Random(seed)
-    plan = [("crash", rng.randint(120, 240)), ("hang", rng.randint(330, 450))]
+    plan = [("crash", rng.randint(100, 200)), ("hang", rng.randint(280, 380)),
+            ("xid", rng.randint(460, 540))]
     config = from_mapping(_config(tmp, seed), "<demo>")
     start = time.monotonic()
     supervisor = Supervisor(config)
-    drill = _Drill(config.state_dir, supervisor.runners[0], plan)
+    drill = _Drill(config.state_dir, supervisor.runners[0], supervisor.gpus, plan)
     drill.start()
     try:
         rc = supervisor.run()

@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     def note(**event: Any) -> None:
         if args.journal:
             event["attempt"] = int(os.environ.get("TRAINWATCH_ATTEMPT", "0"))
+            event["gpus"] = os.environ.get("CUDA_VISIBLE_DEVICES")
             with open(args.journal, "a") as f:
                 f.write(json.dumps(event) + "\n")
 
