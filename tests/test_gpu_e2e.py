@@ -4,6 +4,8 @@ reach the job through the real `trainwatch run`."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import Workspace, finish, wait_for
@@ -79,3 +81,43 @@ def test_too_few_gpus_left_stops_the_job_and_runs_the_exec_hook(ws: Workspace) -
     assert wait_for(lambda: marker.exists() and marker.read_text(), what="the hook") == (
         "job 1 gpu_xid\n")
     assert ws.transitions()[-1] == "fatal"
+
+
+def _drill(ws: Workspace, *args: str) -> None:
+    p = subprocess.run([sys.executable, "-m", "faultinject.cli", *args,
+                        "--run-dir", str(ws.root / "run")],
+                       capture_output=True, text=True, timeout=30, check=False)
+    assert p.returncode == 0, p.stderr
+
+
+def test_faultinject_gpu_drills_are_handled_like_real_faults_and_marked_injected(
+    ws: Workspace,
+) -> None:
+    """gpu-xid 79 over the control socket excludes GPU 1; an ECC drill alerts; both injected."""
+    cfg, _ = _gpu_config(ws)
+    p = ws.run(cfg)
+    wait_for(lambda: (ws.status().get("step") or 0) >= 15, what="the job to beat")
+    _drill(ws, "ecc", "--gpu", "3", "--uncorrected")
+    wait_for(lambda: ws.incidents(), what="the ECC incident")
+    _drill(ws, "gpu-xid", "--gpu", "1", "--xid", "79")
+    wait_for(lambda: len([e for e in ws.events() if e["event"] == "start"]) == 2,
+             what="the relaunch")
+    rc, out = finish(p, timeout=60)
+    assert rc == 0, out
+    ecc, xid = ws.incidents()
+    assert (ecc["kind"], ecc["gpu"], ecc["action"], ecc["injected"]) == ("gpu_ecc", 3, "alert", 1)
+    assert (xid["kind"], xid["gpu"], xid["action"], xid["injected"]) == (
+        "gpu_xid", 1, "restart_exclude_gpu", 1)
+    assert [e["gpus"] for e in ws.events() if e["event"] == "start"] == ["0,1,2,3", "0,2,3"]
+
+
+def test_gpu_drill_without_gpu_monitoring_is_refused_in_one_line(ws: Workspace) -> None:
+    """With gpu.backend off, a gpu-xid drill gets trainwatch's refusal: one line, exit 2."""
+    cfg = ws.config({"command": ws.worker("--steps", "100000")}, gpu={"backend": "off"})
+    ws.run(cfg)
+    wait_for(lambda: ws.status().get("state") == "running", what="the job to run")
+    p = subprocess.run([sys.executable, "-m", "faultinject.cli", "gpu-xid", "--gpu", "0",
+                        "--xid", "79", "--run-dir", str(ws.root / "run")],
+                       capture_output=True, text=True, timeout=30, check=False)
+    assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
+    assert "GPU monitoring is off" in p.stderr

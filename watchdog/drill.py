@@ -30,6 +30,9 @@ class Overlay:
     def lost(self, gpu: int) -> None:
         self.fields.setdefault(gpu, {})["lost"] = "gpu_is_lost"
 
+    def active(self, gpu: int | None) -> bool:
+        return gpu is not None and (gpu in self.fields or gpu in self.added_uncorrected)
+
     def clear(self, gpu: int) -> None:
         self.fields.pop(gpu, None)
         self.added_uncorrected.pop(gpu, None)

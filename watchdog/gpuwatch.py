@@ -151,12 +151,15 @@ class GpuWatch:
             except queue.Empty:
                 return faults
             if kind == "samples":
-                faults += self.health.samples(self.overlay.apply(item))
+                for f in self.health.samples(self.overlay.apply(item)):
+                    if self.overlay.active(f.gpu):
+                        f.evidence["source"] = "drill"  # a drill rides on this GPU's samples
+                    faults.append(f)
             elif kind == "xids":
                 for ev in item:
-                    f = self.health.xid(ev)
-                    if f is not None:
-                        faults.append(f)
+                    xf = self.health.xid(ev)
+                    if xf is not None:
+                        faults.append(xf)
             elif kind == "down":
                 self.health.source_down()
 

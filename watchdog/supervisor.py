@@ -15,9 +15,11 @@ import signal
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from trainwatch import tree
 from trainwatch.config import Config, ConfigError, Job
+from trainwatch.control import ControlSocket
 from trainwatch.gpuwatch import GpuWatch
 from trainwatch.job import JobRunner
 from trainwatch.ledger import Ledger
@@ -58,6 +60,14 @@ class Supervisor:
                 r.close()
             self.ledger.close()
             raise ConfigError(f"{e}: is job {j.name!r} already supervised?") from None
+        # The drills' way in (faultinject gpu-xid ...): root or the trainwatch group.
+        self.control: ControlSocket | None = None
+        try:
+            self.control = ControlSocket(config.run_dir, self._on_control)
+            self.sel.register(self.control, selectors.EVENT_READ,
+                              lambda _fd: self.control and self.control.handle())
+        except (SocketInUse, OSError) as e:
+            log.warning("no control socket (GPU drills cannot reach this trainwatch): %s", e)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
         self.stop_signal: int | None = None
         self._stop_sent = False
@@ -75,6 +85,24 @@ class Supervisor:
         """Stop every job and return; safe from a signal handler or another thread."""
         self.stop_signal = signum
         self.wake()
+
+    def _on_control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A drill from faultinject, handled exactly like the real fault."""
+        if self.gpus is None:
+            raise ValueError("GPU monitoring is off (gpu.backend: off)")
+        gpu = args.get("gpu")
+        if not isinstance(gpu, int) or isinstance(gpu, bool):
+            raise ValueError(f"expected a GPU index, got {gpu!r}")
+        if op == "gpu-xid":
+            xid = args.get("xid")
+            if not isinstance(xid, int) or isinstance(xid, bool) or xid <= 0:
+                raise ValueError(f"expected an Xid number, got {xid!r}")
+            self.gpus.inject_xid(gpu, xid, str(args.get("message") or ""))
+        elif op in ("gpu-lost", "ecc", "thermal"):
+            self.gpus.inject(op.removeprefix("gpu-"), gpu, bool(args.get("uncorrected")))
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        return {"injected": op, "gpu": gpu}
 
     def _route_gpu_faults(self) -> None:
         if self.gpus is None:
@@ -124,6 +152,9 @@ class Supervisor:
         return max(r.exit_code for r in self.runners)
 
     def close(self) -> None:
+        if self.control is not None:
+            self.sel.unregister(self.control)
+            self.control.close()
         if self.gpus is not None:
             self.gpus.close()
         for r in self.runners:
