@@ -121,3 +121,30 @@ def test_gpu_drill_without_gpu_monitoring_is_refused_in_one_line(ws: Workspace) 
                        capture_output=True, text=True, timeout=30, check=False)
     assert p.returncode == 2 and len(p.stderr.splitlines()) == 1
     assert "GPU monitoring is off" in p.stderr
+
+
+def test_repeated_xids_on_one_gpu_escalate_and_the_operator_can_clear_it(ws: Workspace) -> None:
+    """Three app-level Xids on GPU 0 escalate to restart_exclude_gpu; clear-gpu undoes it."""
+    cfg, _ = _gpu_config(ws, steps="100000")
+    p = ws.run(cfg)
+    for n, xid in enumerate(("13", "31", "43"), 1):
+        wait_for(lambda n=n: len([e for e in ws.events() if e["event"] == "start"]) == n
+                 and (ws.status().get("step") or 0) >= 5, what=f"attempt {n} to beat")
+        _drill(ws, "gpu-xid", "--gpu", "0", "--xid", xid)
+        wait_for(lambda n=n: len(ws.incidents()) == n, what=f"incident {n}")
+    actions = [i["action"] for i in ws.incidents()]
+    assert actions == ["restart", "restart", "restart_exclude_gpu"]
+    assert "3 Xids on GPU 0" in json.loads(ws.incidents()[2]["evidence"])["escalated"]
+    wait_for(lambda: [e["gpus"] for e in ws.events() if e["event"] == "start"][-1] == "1,2,3",
+             what="the relaunch without GPU 0")
+    clear = subprocess.run([sys.executable, "-m", "trainwatch.cli", "clear-gpu", "0",
+                            "--run-dir", str(ws.root / "run")],
+                           capture_output=True, text=True, timeout=30, check=False)
+    assert clear.returncode == 0, clear.stderr
+    assert json.loads((ws.state / "gpus.json").read_text())["excluded"] == {}
+    again = subprocess.run([sys.executable, "-m", "trainwatch.cli", "clear-gpu", "0",
+                            "--run-dir", str(ws.root / "run")],
+                           capture_output=True, text=True, timeout=30, check=False)
+    assert again.returncode == 2 and "GPU 0 is not excluded" in again.stderr
+    p.send_signal(2)
+    assert finish(p)[0] == 130

@@ -44,9 +44,24 @@ def test_an_xid_from_two_paths_is_one_fault_and_exclusion_sticks() -> None:
     assert h.xid(XidEvent(79, at=1.0, source="nvml_event", gpu=1)) is not None
     assert h.xid(XidEvent(79, at=1.2, source="kmsg", gpu=1)) is None
     h.samples(SimGpus(4, clock=lambda: 2.0).poll())
-    h.exclude(1, "xid 79")
+    h.exclude(1, "xid 79", at=2.0)
     assert h.state(1) is GpuState.EXCLUDED and h.excluded() == {1: "xid 79"}
     h.samples(SimGpus(4, clock=lambda: 3.0).poll())
     assert h.state(1) is GpuState.EXCLUDED
     h.clear(1)
     assert h.state(1) is GpuState.HEALTHY
+
+
+def test_an_excluded_gpu_returns_only_after_a_clean_recheck_period() -> None:
+    """Excluded GPU 1 comes back once readable and fault-free for the period; a new Xid resets it."""
+    h = GpuHealth()
+    h.samples(SimGpus(2, clock=lambda: 0.0).poll())
+    h.exclude(1, "xid 79", at=0.0)
+    h.samples([GpuSample(index=1, at=50.0, lost="gpu_is_lost")])
+    assert h.passed_recheck(now=100.0, after=60.0) == []  # lost at 50: the clock restarted
+    h.samples(SimGpus(2, clock=lambda: 100.0).poll())
+    assert h.passed_recheck(now=109.0, after=60.0) == []
+    assert h.passed_recheck(now=111.0, after=60.0) == [1]
+    h.xid(XidEvent(13, at=112.0, source="kmsg", gpu=1))
+    assert h.passed_recheck(now=150.0, after=60.0) == []
+    assert h.passed_recheck(now=173.0, after=60.0) == [1]

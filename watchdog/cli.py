@@ -132,6 +132,20 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     return Supervisor(config).run()
 
 
+def cmd_clear_gpu(args: argparse.Namespace) -> int:
+    from trainwatch.control import ControlError, request
+
+    run_dir = args.run_dir or (load(args.config).run_dir if args.config else _default_run_dir())
+    try:
+        reply = request(run_dir, "gpu-clear", {"gpu": args.gpu})
+    except ControlError as e:
+        raise ConfigError(str(e)) from None
+    if not reply.get("ok"):
+        raise ConfigError(f"clear-gpu: {reply.get('error')}")
+    print(f"GPU {args.gpu} is back in service")
+    return 0
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = load(args.file)
     names = ", ".join(j.name for j in config.jobs)
@@ -181,6 +195,12 @@ def cmd_incidents(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_run_dir() -> str:
+    from trainwatch.config import default_dirs
+
+    return default_dirs()[1]
+
+
 def _default_state_dir() -> str:
     from trainwatch.config import default_dirs
 
@@ -226,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
     dm = sub.add_parser("daemon", help="supervise every job of a config (the service)")
     dm.add_argument("--config", default=DEFAULT_CONFIG, help=f"default {DEFAULT_CONFIG}")
     dm.set_defaults(fn=cmd_daemon)
+
+    cg = sub.add_parser("clear-gpu", help="put an excluded GPU back in service")
+    cg.add_argument("gpu", type=_natural, help="the GPU's index")
+    cg.add_argument("--run-dir")
+    cg.add_argument("--config")
+    cg.set_defaults(fn=cmd_clear_gpu)
 
     c = sub.add_parser("check-config", help="validate a config file")
     c.add_argument("file")

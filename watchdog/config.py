@@ -135,6 +135,7 @@ class Gpu:
     poll_interval: float = 1.0
     kmsg: str | None = "/dev/kmsg"  # the kernel log read for Xids; null: off
     thermal_sustain: float = 30.0
+    recheck_after: float | None = 3600.0  # excluded GPUs fault-free this long return; None: never
 
 
 @dataclass(frozen=True)
@@ -556,7 +557,8 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
 
     mm = r.mapping(m.get("metrics"), "metrics", {"address", "port"})
     gm = r.mapping(m.get("gpu"), "gpu",
-                   {"backend", "count", "poll_interval", "kmsg", "thermal_sustain"})
+                   {"backend", "count", "poll_interval", "kmsg", "thermal_sustain",
+                    "recheck_after"})
     run_dir = r.get(m, "run_dir", "", _STR, run_default)
     _check_socket_paths(r, run_dir, jobs)
     if gm.get("backend") == "sim" and not gm.get("count"):
@@ -578,6 +580,7 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
             kmsg=r.get(gm, "kmsg", "gpu", _STR, Gpu.kmsg) if gm.get("kmsg", "") is not None
             else None,
             thermal_sustain=r.get(gm, "thermal_sustain", "gpu", _DUR, Gpu.thermal_sustain),
+            recheck_after=r.get(gm, "recheck_after", "gpu", _OPT_DUR, Gpu.recheck_after),
         ),
         observe_only=r.get(m, "observe_only", "", "true or false", False),
         source=source,

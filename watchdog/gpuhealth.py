@@ -33,6 +33,7 @@ class _Gpu:
     last: GpuSample | None = None
     window: deque[GpuSample] = field(default_factory=lambda: deque(maxlen=600))
     excluded: str | None = None  # why
+    clean_since: float | None = None  # excluded and fault-free since (monotonic)
 
 
 class GpuHealth:
@@ -51,6 +52,10 @@ class GpuHealth:
         """One poll's samples -> the faults they show."""
         self.source_up = True
         faults: list[Fault] = []
+        for s in samples:
+            g = self._gpu(s.index)
+            if g.excluded is not None and (s.lost is not None or s.remap_pending):
+                g.clean_since = s.at  # still unwell: the re-check starts over
         for s in samples:
             g = self._gpu(s.index)
             prev, g.last = g.last, s
@@ -76,6 +81,10 @@ class GpuHealth:
         if is_duplicate(self._recent_xids, ev, self.dedup_window):
             return None
         self._recent_xids.append(ev)
+        if ev.gpu is not None:
+            g = self._gpu(ev.gpu)
+            if g.excluded is not None:
+                g.clean_since = ev.at
         return detect_xid(ev)
 
     def source_down(self) -> None:
@@ -89,11 +98,22 @@ class GpuHealth:
             return GpuState.UNKNOWN
         return GpuState.HEALTHY
 
-    def exclude(self, index: int, why: str) -> None:
-        self._gpu(index).excluded = why
+    def exclude(self, index: int, why: str, at: float) -> None:
+        g = self._gpu(index)
+        g.excluded, g.clean_since = why, at
 
     def clear(self, index: int) -> None:
-        self._gpu(index).excluded = None
+        g = self._gpu(index)
+        g.excluded, g.clean_since = None, None
+
+    def passed_recheck(self, now: float, after: float) -> list[int]:
+        """Excluded GPUs that have been readable and fault-free for ``after`` seconds."""
+        return [
+            i for i, g in self.gpus.items()
+            if g.excluded is not None and g.clean_since is not None
+            and g.last is not None and g.last.lost is None and not g.last.remap_pending
+            and now - g.clean_since >= after
+        ]
 
     def excluded(self) -> dict[int, str]:
         return {i: g.excluded for i, g in self.gpus.items() if g.excluded is not None}

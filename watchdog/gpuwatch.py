@@ -83,7 +83,7 @@ class GpuWatch:
         self.indices = sorted(s.index for s in first)
         self._put("samples", first)
         for idx, why in (atomic.read_json(self._exclusions) or {}).get("excluded", {}).items():
-            self.health.exclude(int(idx), str(why))
+            self.health.exclude(int(idx), str(why), self.clock())
         if self.spec.kmsg:
             try:
                 self.kmsg = KernelLog(self.spec.kmsg, self.backend.bus_ids(),
@@ -162,6 +162,11 @@ class GpuWatch:
                         faults.append(xf)
             elif kind == "down":
                 self.health.source_down()
+            if kind == "samples" and self.spec.recheck_after is not None:
+                for gpu in self.health.passed_recheck(self.clock(), self.spec.recheck_after):
+                    log.warning("GPU %d passed its health re-check (%gs without a fault): "
+                                "back in service", gpu, self.spec.recheck_after)
+                    self.clear(gpu)
 
     def inject_xid(self, gpu: int, xid: int, message: str = "") -> None:
         """A drill: handled exactly like an Xid from NVML, marked injected."""
@@ -190,7 +195,7 @@ class GpuWatch:
     # --- exclusions, persisted ---------------------------------------------------
 
     def exclude(self, gpu: int, why: str) -> None:
-        self.health.exclude(gpu, why)
+        self.health.exclude(gpu, why, self.clock())
         self._save()
 
     def clear(self, gpu: int) -> None:

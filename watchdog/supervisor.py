@@ -98,6 +98,12 @@ class Supervisor:
             if not isinstance(xid, int) or isinstance(xid, bool) or xid <= 0:
                 raise ValueError(f"expected an Xid number, got {xid!r}")
             self.gpus.inject_xid(gpu, xid, str(args.get("message") or ""))
+        elif op == "gpu-clear":  # the operator: this GPU is fine again
+            if gpu not in self.gpus.health.excluded():
+                raise ValueError(f"GPU {gpu} is not excluded")
+            self.gpus.clear(gpu)
+            log.warning("GPU %d cleared by the operator: back in service", gpu)
+            return {"cleared": gpu}
         elif op in ("gpu-lost", "ecc", "thermal"):
             self.gpus.inject(op.removeprefix("gpu-"), gpu, bool(args.get("uncorrected")))
         else:
