@@ -475,8 +475,11 @@ def test_example_config_loads_with_its_documented_values() -> None:
     assert "{checkpoint}" in " ".join(job.resume_args)
     policy = config.policy_for(job)
     assert policy.action_for(FaultKind.CRASH) is Action.RESTART
-    assert set(policy.actions) == set(FaultKind)  # every fault kind is shown
-    assert set(policy.actions.values()) <= {Action.ALERT, Action.RESTART, Action.STOP}
+    # every fault kind is shown; gpu_xid only in a comment, so each Xid's class decides
+    assert set(policy.actions) == set(FaultKind) - {FaultKind.GPU_XID}
+    assert set(policy.actions.values()) <= {Action.ALERT, Action.RESTART, Action.STOP,
+                                             Action.RESTART_EXCLUDE_GPU}
+    assert policy.xid_actions[63] is Action.ALERT and job.gpus.min == 6
 
 
 def test_example_config_shows_every_key_with_a_comment() -> None:

@@ -53,7 +53,7 @@ def test_an_xid_from_two_paths_is_one_fault_and_exclusion_sticks() -> None:
 
 
 def test_an_excluded_gpu_returns_only_after_a_clean_recheck_period() -> None:
-    """Excluded GPU 1 comes back once readable and fault-free for the period; a new Xid resets it."""
+    """An excluded GPU returns once readable and fault-free for the period; an Xid resets it."""
     h = GpuHealth()
     h.samples(SimGpus(2, clock=lambda: 0.0).poll())
     h.exclude(1, "xid 79", at=0.0)

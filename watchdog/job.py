@@ -422,7 +422,9 @@ class JobRunner:
         xid = int(fault.evidence["xid"])
         info = classify(xid, str(fault.evidence.get("message", "")))
         over = self.policy.xid_actions
-        action = over.get(xid) or over.get(info.immediate.value) or info.action
+        # Per Xid, then per class, then one action for every Xid, then the catalog's.
+        action = (over.get(xid) or over.get(info.immediate.value)
+                  or self.policy.actions.get(FaultKind.GPU_XID) or info.action)
         fault.evidence["class"] = info.immediate.value
         # The same GPU faulting again and again within the window is the GPU, not the job.
         now, esc = fault.onset, self.policy.escalate
