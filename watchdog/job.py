@@ -402,11 +402,19 @@ class JobRunner:
         """A fault of one of this job's GPUs (routed here by the supervisor)."""
         fault = dataclasses.replace(fault, job=self.job.name, onset_step=self.last_step)
         action = self._gpu_action(fault)
-        if self.state in (JobState.STARTING, JobState.RUNNING):
+        pid = fault.evidence.get("pid")
+        a = self.attempt
+        # An application-level Xid names the process it hit: one of an earlier attempt
+        # (e.g. Xid 45 as we killed it) or of another program is not this attempt's fault.
+        foreign = (action is Action.RESTART and isinstance(pid, int) and pid > 0
+                   and a is not None and pid not in a.tree.known)
+        if self.state in (JobState.STARTING, JobState.RUNNING) and not foreign:
             self._handle(fault, action)
             return
         # Nothing of ours runs on it now: record it, and keep the GPU out of the next launch.
         reason = f"job {self.state.value if self.state else '-'}: recorded only"
+        if foreign:
+            reason = f"pid {pid} is not this attempt's: recorded only"
         if action is Action.RESTART_EXCLUDE_GPU and fault.gpu is not None:
             self._exclude(fault)
             reason += f"; GPU {fault.gpu} excluded"
