@@ -148,3 +148,18 @@ def test_repeated_xids_on_one_gpu_escalate_and_the_operator_can_clear_it(ws: Wor
     assert again.returncode == 2 and "GPU 0 is not excluded" in again.stderr
     p.send_signal(2)
     assert finish(p)[0] == 130
+
+
+def test_an_app_xid_of_another_process_does_not_restart_the_job(ws: Workspace) -> None:
+    """Xid 13 naming a pid outside the job's tree is recorded only; the job runs on."""
+    cfg, kern = _gpu_config(ws, steps="150")
+    p = ws.run(cfg)
+    wait_for(lambda: (ws.status().get("step") or 0) >= 15, what="the job to beat")
+    with open(kern, "a") as f:
+        f.write("NVRM: Xid (PCI:0000:10:00): 13, pid=1, name=other, Graphics Exception\n")
+    wait_for(lambda: ws.incidents(), what="the incident")
+    rc, out = finish(p, timeout=60)
+    assert rc == 0, out
+    [inc] = ws.incidents()
+    assert inc["action"] == "restart" and "pid 1 is not this attempt's" in inc["decision"]
+    assert {e["attempt"] for e in ws.events()} == {0}
