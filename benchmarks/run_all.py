@@ -1,15 +1,15 @@
 """Run every benchmark and print a compact summary table (``make bench``).
 
 How: runs ``bench_beat.py`` (headline first: beat() in a real job under
-``trainwatch run``; then the isolated-reader figures), ``bench_recovery.py``
-and ``bench_supervisor.py`` one after another as subprocesses of this
+``trainwatch run``; then the isolated-reader figures), ``bench_recovery.py``,
+``bench_supervisor.py`` and ``bench_gpu.py`` one after another as subprocesses of this
 interpreter (so one cannot disturb the next), each writing its figures as
 JSON to a temp file; their own output is shown as it comes, then one table:
 median, p99 (or max where there are fewer than 50 samples), the number of
 samples, the issue's goal and whether it is met. The machine (nproc, Python)
 and the load average before and after are printed, with any other process
 that was busy at the start, because the figures are only as quiet as the
-machine. About 2 minutes with the defaults.
+machine. About 5 minutes with the defaults.
 """
 
 from __future__ import annotations
@@ -233,6 +233,96 @@ def supervisor_rows(s: dict[str, Any]) -> list[Row]:
     ]
 
 
+def gpu_rows(g: dict[str, Any]) -> list[Row]:
+    def both(s: dict[str, float], goal: float) -> bool:
+        tail = s["p99"] if int(s["n"]) >= 50 else s["max"]
+        return s["median"] <= goal and tail <= goal
+
+    rows: list[Row] = []
+    x = g.get("xid")
+    if x:
+        k, d = x["kmsg"], x["drill"]
+        rows += [
+            stat_row(
+                "Xid -> incident, kernel-log file [trainwatch run, sim]",
+                k["to_incident_ms"],
+                "ms",
+                1,
+                "≤ 100 ms",
+                both(k["to_incident_ms"], 100.0),
+            ),
+            stat_row(
+                "  of which: Xid read -> incident (detection_latency_s)",
+                k["detection_latency_ms"],
+                "ms",
+                2,
+                "-",
+                None,
+            ),
+            stat_row(
+                "Xid -> incident, drill via control socket [trainwatch run]",
+                d["to_incident_ms"],
+                "ms",
+                2,
+                "≤ 100 ms",
+                both(d["to_incident_ms"], 100.0),
+            ),
+        ]
+    ev, lost, poll, cpu = g["events"], g["lost"], g["poll"], g["cpu"]
+    rows += [
+        stat_row(
+            "NVML event -> callback [in-process, fake pynvml]",
+            ev["to_callback_us"],
+            "µs",
+            1,
+            "-",
+            None,
+        ),
+        stat_row(
+            "NVML event -> GpuWatch fault [in-process, queue + wake-up]",
+            ev["to_fault_us"],
+            "µs",
+            1,
+            "≤ 100 ms",
+            both(ev["to_fault_us"], 100_000.0),
+        ),
+        stat_row(
+            f"GPU lost -> fault [in-process, poll_interval {lost['poll_interval_s']:g} s]",
+            lost["to_fault_ms"],
+            "ms",
+            0,
+            f"≤ {lost['poll_interval_s']:g} s bound",
+            lost["to_fault_ms"]["max"] <= lost["poll_interval_s"] * 1000.0 + 100.0,
+        ),
+        stat_row(
+            f"one poll of {poll['gpus']} GPUs, per GPU [fake pynvml]",
+            poll["per_gpu_us"],
+            "µs",
+            1,
+            "-",
+            None,
+        ),
+    ]
+    for key, label in (
+        ("off", "gpu.backend off (baseline)"),
+        ("sim", "sim 8 GPUs at 1 Hz, kmsg null"),
+        ("sim_kmsg", "sim 8 GPUs at 1 Hz + kernel-log file"),
+    ):
+        pct, sched = cpu[f"{key}_pct"], cpu[f"sched_{key}_pct"]
+        ok = None if key == "off" else pct <= 0.5
+        rows.append(
+            (
+                f"trainwatch run CPU, {label}",
+                f"{pct:.3f} %",
+                f"schedstat {sched:.3f} %",
+                f"{cpu['runs'][0]['window_s']:.0f} s",
+                "-" if key == "off" else "≤ 0.5 % of a core",
+                "-" if ok is None else ("yes" if ok else "NO"),
+            )
+        )
+    return rows
+
+
 def table(rows: list[Row]) -> str:
     head: Row = ("figure", "median", "p99 / max", "n", "goal", "met")
     all_rows = [head, *rows]
@@ -249,13 +339,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument(
         "--only",
-        default="beat,recovery,supervisor",
-        help="comma-separated subset of beat, recovery, supervisor",
+        default="beat,recovery,supervisor,gpu",
+        help="comma-separated subset of beat, recovery, supervisor, gpu",
     )
     p.add_argument("--calls", type=int, default=20000, help="bench_beat: calls per variant")
     p.add_argument("--crashes", type=int, default=10, help="bench_recovery: SIGKILL drills")
     p.add_argument("--hangs", type=int, default=10, help="bench_recovery: SIGSTOP drills")
-    p.add_argument("--duration", type=float, default=20.0, help="bench_supervisor: window, s")
+    p.add_argument(
+        "--duration", type=float, default=20.0, help="bench_supervisor and bench_gpu: CPU window, s"
+    )
+    p.add_argument("--xids", type=int, default=100, help="bench_gpu: Xids per end-to-end path")
     return p.parse_args(argv)
 
 
@@ -295,6 +388,16 @@ def main(argv: list[str] | None = None) -> int:
             failed += [] if s else ["bench_supervisor"]
             if s and s.get("problems"):
                 failed += [f"bench_supervisor: {p}" for p in s["problems"]]
+        if "gpu" in only:
+            g = run_one(
+                "bench_gpu.py",
+                ["--xids", str(args.xids), "--cpu-duration", f"{args.duration:g}"],
+                d / "gpu.json",
+            )
+            rows += gpu_rows(g) if g else []
+            failed += [] if g else ["bench_gpu"]
+            if g and g.get("problems"):
+                failed += [f"bench_gpu: {p}" for p in g["problems"]]
     print(f"\n=== summary ({time.monotonic() - t0:.0f} s)")
     print(machine_line())
     print(table(rows))

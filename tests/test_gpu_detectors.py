@@ -83,6 +83,8 @@ def test_lost_gpu_is_a_fault_and_a_readable_one_is_not() -> None:
 def test_one_xid_seen_by_two_paths_is_one_fault() -> None:
     """The kernel log's copy of an NVML Xid event (same GPU, same Xid, close in time) is a dup."""
     first = XidEvent(79, at=100.0, source="nvml_event", gpu=1)
+    drill = XidEvent(79, at=100.1, source="drill", gpu=1, injected=True)
+    assert not is_duplicate([first], drill, window=10.0)  # a drill never hides a real one
     assert not is_duplicate([], first, window=10.0)
     assert is_duplicate([first], XidEvent(79, at=100.4, source="kmsg", gpu=1), window=10.0)
     assert not is_duplicate([first], XidEvent(79, at=100.4, source="kmsg", gpu=2), window=10.0)

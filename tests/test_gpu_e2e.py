@@ -163,3 +163,22 @@ def test_an_app_xid_of_another_process_does_not_restart_the_job(ws: Workspace) -
     [inc] = ws.incidents()
     assert inc["action"] == "restart" and "pid 1 is not this attempt's" in inc["decision"]
     assert {e["attempt"] for e in ws.events()} == {0}
+
+
+def test_a_gpu_alert_does_not_blind_hang_detection(ws: Workspace) -> None:
+    """An alert-only Xid just after the last beat: the job's hang is still detected."""
+    kern = ws.root / "kern.log"
+    kern.write_text("")
+    cfg = ws.config(
+        {"command": ws.worker("--steps", "100", "--silent-at", "20"),
+         "heartbeat": {"timeout": "3s"}},  # the status shows the step up to 1 s late
+        {"max_restarts": 0},
+        gpu={"backend": "sim", "count": 4, "kmsg": str(kern)},
+    )
+    p = ws.run(cfg)
+    wait_for(lambda: (ws.status().get("step") or 0) >= 19, what="the last beats")
+    _drill(ws, "gpu-xid", "--gpu", "2", "--xid", "63")
+    rc, out = finish(p, timeout=60)
+    assert rc == 1, out
+    assert [(i["kind"], i["action"]) for i in ws.incidents()] == [
+        ("gpu_xid", "alert"), ("hang", "restart")]

@@ -413,6 +413,8 @@ def _policy(r: _Reader, name: str, raw: object) -> Policy:
         raise r.fail(f"{path}.xid_actions", "a mapping of Xids or Xid classes to actions", raw_xid)
     for key, act in raw_xid.items():
         where = f"{path}.xid_actions.{key}"
+        if isinstance(key, str) and key.isdigit():
+            key = int(key)  # "79", as JSON writes every key
         xid_number = isinstance(key, int) and not isinstance(key, bool) and key > 0
         if not xid_number and key not in classes:
             raise r.fail(where, "an Xid number or a class (" + ", ".join(sorted(classes)) + ")",

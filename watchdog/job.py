@@ -497,8 +497,8 @@ class JobRunner:
         if self.config.observe_only or action is Action.ALERT:
             if exited:
                 self._begin_stop(JobState.FATAL, f"{fault.kind.value}: not relaunched ({reason})")
-            else:
-                self.hang_latched = True
+            elif fault.kind is FaultKind.HANG:
+                self.hang_latched = True  # reported; again only after a new beat
             return
         if action is Action.RESTART_EXCLUDE_GPU:
             self._exclude(fault)

@@ -31,9 +31,12 @@ def reason_names(bits: int) -> list[str]:
 
 def is_duplicate(recent: Sequence[XidEvent], ev: XidEvent, window: float) -> bool:
     """The same Xid on the same GPU already seen (by any path) within ``window`` s:
-    NVML's event, the kernel log and a poll all report one fault once."""
+    NVML's event, the kernel log and a poll all report one fault once. A drill
+    never hides a real Xid, nor a real one a drill."""
     return any(
-        r.xid == ev.xid and r.gpu == ev.gpu and abs(ev.at - r.at) <= window for r in recent
+        r.xid == ev.xid and r.gpu == ev.gpu and r.injected == ev.injected
+        and abs(ev.at - r.at) <= window
+        for r in recent
     )
 
 
