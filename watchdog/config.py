@@ -372,6 +372,17 @@ _DUR = "a duration such as 30s, 5m or 24h"
 _OPT_DUR = "a duration such as 30s, 5m or 24h, or null"
 
 
+def _action(r: _Reader, where: str, act: object) -> Action:
+    try:
+        action = Action(act)
+    except ValueError:
+        raise r.fail(where, "one of " + ", ".join(a.value for a in Action), act) from None
+    if action not in IMPLEMENTED_ACTIONS:
+        ok = ", ".join(sorted(a.value for a in IMPLEMENTED_ACTIONS))
+        raise r.fail(where, f"an action this version carries out ({ok})", act)
+    return action
+
+
 def _policy(r: _Reader, name: str, raw: object) -> Policy:
     path = f"policies.{name}"
     m = r.mapping(raw, path, {"max_restarts", "window", "backoff", "kill_grace", "actions",
@@ -398,14 +409,7 @@ def _policy(r: _Reader, name: str, raw: object) -> Policy:
     raw_actions = r.mapping(m.get("actions"), f"{path}.actions", kinds)
     for kind, act in raw_actions.items():
         where = f"{path}.actions.{kind}"
-        try:
-            action = Action(act)
-        except ValueError:
-            raise r.fail(where, "one of " + ", ".join(a.value for a in Action), act) from None
-        if action not in IMPLEMENTED_ACTIONS:
-            ok = ", ".join(sorted(a.value for a in IMPLEMENTED_ACTIONS))
-            raise r.fail(where, f"an action this version carries out ({ok})", act)
-        actions[FaultKind(kind)] = action
+        actions[FaultKind(kind)] = _action(r, where, act)
     xid_actions: dict[int | str, Action] = {}
     classes = {c.value for c in Immediate}
     raw_xid = m.get("xid_actions") or {}
@@ -419,14 +423,7 @@ def _policy(r: _Reader, name: str, raw: object) -> Policy:
         if not xid_number and key not in classes:
             raise r.fail(where, "an Xid number or a class (" + ", ".join(sorted(classes)) + ")",
                          key)
-        try:
-            action = Action(act)
-        except ValueError:
-            raise r.fail(where, "one of " + ", ".join(a.value for a in Action), act) from None
-        if action not in IMPLEMENTED_ACTIONS:
-            ok = ", ".join(sorted(a.value for a in IMPLEMENTED_ACTIONS))
-            raise r.fail(where, f"an action this version carries out ({ok})", act)
-        xid_actions[key] = action
+        xid_actions[key] = _action(r, where, act)
     ep = f"{path}.escalate"
     e = r.mapping(m.get("escalate"), ep, {"after", "window"})
     escalate = Escalate(

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainwatch.sources.heartbeat import SocketInUse
+from trainwatch.sources.heartbeat import SocketInUse, listening
 
 log = logging.getLogger("trainwatch")
 
@@ -85,17 +85,6 @@ def _one_line(text: str) -> str:
     return line if len(line) <= _ERROR_MAX else line[: _ERROR_MAX - 3] + "..."
 
 
-def _listening(path: str) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
-    try:
-        probe.connect(path)
-        return True
-    except OSError:
-        return False  # absent, or a stale file nobody is bound to
-    finally:
-        probe.close()
-
-
 def _parse(data: bytes) -> tuple[str, dict[str, Any]]:
     """One request datagram -> (op, args). Raises ValueError if malformed."""
     try:
@@ -133,7 +122,7 @@ class ControlSocket:
         self.group = group
         self._uid = os.geteuid()
         os.makedirs(run_dir, mode=0o755, exist_ok=True)
-        if _listening(self.path):
+        if listening(self.path):
             raise SocketInUse(f"{self.path}: another trainwatch is listening here")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a stale socket from a previous run

@@ -85,7 +85,8 @@ class SocketInUse(OSError):
     """The job's socket belongs to a live listener: the job is already supervised."""
 
 
-def _listening(path: str) -> bool:
+def listening(path: str) -> bool:
+    """Is a live socket bound at this path (a stale file is not)?"""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
         probe.connect(path)
@@ -105,7 +106,7 @@ class HeartbeatSocket:
         self.believe = believe
         self.clock = clock
         self.counters = Counters()
-        if _listening(path):
+        if listening(path):
             raise SocketInUse(f"{path}: another trainwatch is listening here")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a stale socket from a previous run
