@@ -188,19 +188,37 @@ def test_reported_checkpoints_persist_across_instances(ckpt_dir: Path, state: Pa
     assert again.reported == {20: str(ckpt_dir / "step_20")}
 
 
-def test_reported_checkpoint_outside_dir_is_found(
+def test_reported_checkpoint_outside_dir_is_not_trusted(
     tmp_path: Path, ckpt_dir: Path, state: Path
 ) -> None:
-    """A reported checkpoint that lives outside checkpoints.dir is still listed while it exists."""
+    """With checkpoints.dir set, a report of a path elsewhere is not a checkpoint of this job."""
     elsewhere = tmp_path / "scratch"
     elsewhere.mkdir()
     path = _make(elsewhere, "step_40", "file", age=0.0)
     cat = _catalog(ckpt_dir, state)
     cat.report(40, str(path))
+    assert cat.last_good() is None
+
+
+def test_without_a_dir_reported_checkpoints_are_the_catalog(tmp_path: Path, state: Path) -> None:
+    """With no checkpoints.dir, the job's reports are what the catalog knows, while they exist."""
+    path = _make(tmp_path, "step_40", "file", age=0.0)
+    cat = Catalog(Checkpoints(dir=None), state)
+    cat.report(40, str(path))
     good = cat.last_good()
     assert good is not None and good.path == str(path)
     path.unlink()
     assert cat.last_good() is None
+
+
+def test_state_saved_for_another_owner_is_set_aside(ckpt_dir: Path, state: Path) -> None:
+    """A job of the same name in another project does not inherit this one's reports."""
+    path = _make(ckpt_dir, "step_100", "file", age=0.0)
+    mine = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner="project-a")
+    mine.report(100, str(path))
+    assert mine.last_good() is not None
+    theirs = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner="project-b")
+    assert theirs.reported == {} and theirs.last_good() is None  # fresh: not reported, no marker
 
 
 def test_failed_starts_mark_bad_and_fall_back(ckpt_dir: Path, state: Path) -> None:

@@ -12,6 +12,7 @@ checkpoint; its own state is one JSON file written atomically.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from trainwatch import atomic
 from trainwatch.config import Checkpoints
+
+log = logging.getLogger("trainwatch")
 
 
 @dataclass(frozen=True)
@@ -66,14 +69,23 @@ class Catalog:
         spec: Checkpoints,
         state_file: str | os.PathLike[str],
         clock: Callable[[], float] = time.time,
+        owner: str = "",
     ) -> None:
+        """``owner`` names what the saved state belongs to (the checkpoint dir, or
+        the command when there is none): state saved for another owner (a job of
+        the same name in another project) is set aside, not trusted."""
         # Absolute, so that the path handed to the job means the same from its workdir.
         self.spec = replace(spec, dir=os.path.abspath(spec.dir) if spec.dir else None)
         self.state_file = Path(state_file)
         self.clock = clock
         head, _, tail = spec.pattern.partition("{step}")
         self._regex = re.compile(rf"^{re.escape(head)}(\d+){re.escape(tail)}$")
+        self.owner = owner or f"{self.spec.dir}|{spec.pattern}"
         state = atomic.read_json(self.state_file) or {}
+        if state and state.get("owner") != self.owner:
+            log.warning("%s: saved for %r, not %r: starting it afresh", self.state_file,
+                        state.get("owner"), self.owner)
+            state = {}
         self.reported: dict[int, str] = {int(k): v for k, v in state.get("reported", {}).items()}
         self.bad: dict[int, str] = {int(k): v for k, v in state.get("bad", {}).items()}
         self.failed_starts: dict[int, int] = {
@@ -83,7 +95,8 @@ class Catalog:
     def _save(self) -> None:
         atomic.write_json(
             self.state_file,
-            {"reported": self.reported, "bad": self.bad, "failed_starts": self.failed_starts},
+            {"owner": self.owner, "reported": self.reported, "bad": self.bad,
+             "failed_starts": self.failed_starts},
         )
 
     def step_of(self, path: str) -> int | None:
@@ -103,7 +116,8 @@ class Catalog:
                 if m:
                     found[int(m.group(1))] = Path(self.spec.dir, name)
         for step, reported in self.reported.items():
-            if step not in found and os.path.exists(reported):
+            inside = self.spec.dir is None or os.path.dirname(reported) == self.spec.dir
+            if step not in found and inside and os.path.exists(reported):
                 found[step] = Path(reported)
         now = self.clock()
         out = []
@@ -120,7 +134,7 @@ class Catalog:
         return out
 
     def _complete(self, step: int, path: Path, now: float) -> tuple[bool, str]:
-        if step in self.reported:
+        if self.reported.get(step) == str(path):
             return True, "reported by the job"
         marker = self.spec.marker
         if marker is not None:

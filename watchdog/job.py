@@ -117,7 +117,9 @@ class JobRunner:
         self.clock = clock
         self.rng = rng or random.Random()
         self.dir = status.job_dir(config.state_dir, job.name)
-        self.catalog = Catalog(job.checkpoints, self.dir / "catalog.json")
+        owner = job.checkpoints.dir or " ".join(job.command)
+        self.catalog = Catalog(job.checkpoints, self.dir / "catalog.json",
+                               owner=f"{owner}|{job.checkpoints.pattern}")
         self.history = RestartHistory()
         self.state: JobState | None = None
         self.attempt: Attempt | None = None
