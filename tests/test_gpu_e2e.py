@@ -182,3 +182,33 @@ def test_a_gpu_alert_does_not_blind_hang_detection(ws: Workspace) -> None:
     assert rc == 1, out
     assert [(i["kind"], i["action"]) for i in ws.incidents()] == [
         ("gpu_xid", "alert"), ("hang", "restart")]
+
+
+def test_an_app_xid_on_a_worker_rank_restarts_the_job(ws: Workspace) -> None:
+    """Xid 13 naming rank 1's process (a child of the leader) is the job's: restart."""
+    kern = ws.root / "kern.log"
+    kern.write_text("")
+    cfg = ws.config({"command": ws.worker("--steps", "300", "--ranks", "2")},
+                    gpu={"backend": "sim", "count": 4, "kmsg": str(kern)})
+    p = ws.run(cfg)
+    ranks = wait_for(lambda: len(ws.status().get("ranks", {})) == 2 and ws.status()["ranks"],
+                     what="two ranks")
+    with open(kern, "a") as f:
+        f.write(f"NVRM: Xid (PCI:0000:10:00): 13, pid={ranks['1']}, name=python, "
+                "Graphics Exception\n")
+    wait_for(lambda: ws.incidents(), what="the incident")
+    rc, out = finish(p, timeout=60)
+    assert rc == 0, out
+    [inc] = ws.incidents()
+    assert inc["action"] == "restart" and inc["relaunched_at"] is not None
+
+
+def test_the_exec_hook_outlives_the_job_it_replaces(ws: Workspace) -> None:
+    """actions.crash: exec runs the hook, stops the job, and leaves the hook alone to finish."""
+    marker = ws.root / "hook.out"
+    cfg = ws.config({"command": ["sh", "-c", "sleep 0.3; exit 3"]},
+                    {"actions": {"crash": "exec"}, "kill_grace": "0.2s",
+                     "exec": ["sh", "-c", f"sleep 1; echo done {{job}} > {marker}"]})
+    rc, out = finish(ws.run(cfg), timeout=60)
+    assert rc == 1, out
+    assert wait_for(lambda: marker.exists() and marker.read_text(), what="the hook") == "done job\n"

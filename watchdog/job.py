@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from trainwatch import status
 from trainwatch.attempt import Attempt
 from trainwatch.catalog import Catalog, Entry
-from trainwatch.config import Config, ConfigError, Job, socket_path
+from trainwatch.config import Config, Job, socket_path
 from trainwatch.detectors.crash import detect_crash
 from trainwatch.detectors.hang import detect_hang, next_deadline
 from trainwatch.gpuwatch import GpuWatch
@@ -221,9 +221,8 @@ class JobRunner:
             why = f"no such user {self.job.user!r}"
             if isinstance(e, OSError):
                 why = e.strerror or str(e)
-            what = f"{self.job.command[0]}: cannot start: {why}"
-            if self.number == 0:
-                raise ConfigError(f"jobs.{self.job.name}.command: {what}") from None
+            where = getattr(e, "filename", None) or self.job.command[0]
+            what = f"{where}: cannot start: {why}"
             log.error("job %s: %s", self.job.name, what)
             self._to(JobState.FATAL, what)
             return
@@ -402,14 +401,15 @@ class JobRunner:
 
     def on_gpu_fault(self, fault: Fault) -> None:
         """A fault of one of this job's GPUs (routed here by the supervisor)."""
-        fault = dataclasses.replace(fault, job=self.job.name, onset_step=self.last_step)
+        fault = dataclasses.replace(fault, job=self.job.name, onset_step=self.last_step,
+                                    evidence=dict(fault.evidence))
         action = self._gpu_action(fault)
         pid = fault.evidence.get("pid")
         a = self.attempt
         # An application-level Xid names the process it hit: one of an earlier attempt
         # (e.g. Xid 45 as we killed it) or of another program is not this attempt's fault.
         foreign = (action is Action.RESTART and isinstance(pid, int) and pid > 0
-                   and a is not None and pid not in a.tree.known)
+                   and a is not None and not a.tree.owns(pid, uid=-1))
         if self.state in (JobState.STARTING, JobState.RUNNING) and not foreign:
             self._handle(fault, action)
             return
@@ -417,7 +417,8 @@ class JobRunner:
         reason = f"job {self.state.value if self.state else '-'}: recorded only"
         if foreign:
             reason = f"pid {pid} is not this attempt's: recorded only"
-        if action is Action.RESTART_EXCLUDE_GPU and fault.gpu is not None:
+        if (action is Action.RESTART_EXCLUDE_GPU and fault.gpu is not None
+                and not self.config.observe_only):
             self._exclude(fault)
             reason += f"; GPU {fault.gpu} excluded"
         self.ledger.incident(fault, action.value, reason, max(self.number, 0), 0.0,
@@ -457,10 +458,12 @@ class JobRunner:
         fill = {"{job}": self.job.name, "{gpu}": "" if gpu is None else str(gpu), "{kind}": kind}
         argv = [functools.reduce(lambda s, kv: s.replace(*kv), fill.items(), a) for a in cmd]
         try:
-            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True,
-                                 env={**os.environ, "TRAINWATCH_JOB": self.job.name,
-                                      "TRAINWATCH_FAULT": kind,
-                                      "TRAINWATCH_GPU": fill["{gpu}"]})
+            # No TRAINWATCH_JOB: the tree scan would take the hook for one of the job's
+            # processes and kill it with the job.
+            env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINWATCH_")}
+            env.update(TRAINWATCH_HOOK_JOB=self.job.name, TRAINWATCH_HOOK_FAULT=kind,
+                       TRAINWATCH_HOOK_GPU=fill["{gpu}"])
+            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
         except OSError as e:
             log.error("job %s: exec hook %s: %s", self.job.name, argv[0], e.strerror or e)
             return
@@ -528,7 +531,7 @@ class JobRunner:
             self._begin_stop(JobState.PAUSED, reason)
         elif self.state is JobState.BACKOFF:
             self._to(JobState.PAUSED, reason)
-        elif self.stopping is not None and self.stopping.outcome is not JobState.EXITED:
+        elif self.stopping is not None and self.stopping.outcome is JobState.BACKOFF:
             self.stopping.outcome, self.stopping.reason = JobState.PAUSED, reason
 
     def _begin_stop(self, outcome: JobState, reason: str, delay: float = 0.0) -> None:

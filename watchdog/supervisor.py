@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pwd
 import selectors
 import shutil
 import signal
@@ -24,6 +25,7 @@ from trainwatch.gpuwatch import GpuWatch
 from trainwatch.job import JobRunner
 from trainwatch.ledger import Ledger
 from trainwatch.sources.heartbeat import SocketInUse
+from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")
 
@@ -127,7 +129,8 @@ class Supervisor:
             log.warning("could not become a child subreaper: escaped orphans go to init")
         old: dict[int, object] = {}
         if install_signals:
-            for sig in (signal.SIGINT.value, signal.SIGTERM.value):
+            # SIGHUP too: a closed terminal must not leave the job running unsupervised.
+            for sig in (signal.SIGINT.value, signal.SIGTERM.value, signal.SIGHUP.value):
                 old[sig] = signal.signal(sig, self._handler)
         try:
             if self.gpus is not None:
@@ -153,7 +156,8 @@ class Supervisor:
             for sig, handler in old.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
             self.close()
-        if self.stop_signal is not None:
+        if self.stop_signal is not None and not all(r.state is JobState.EXITED
+                                                    for r in self.runners):
             return 128 + self.stop_signal
         return max(r.exit_code for r in self.runners)
 
@@ -172,7 +176,15 @@ class Supervisor:
 
 
 def _check_command(job: Job) -> None:
-    """A missing program is the user's mistake: say so before anything starts."""
+    """A missing program, workdir or user is the user's mistake: say so before
+    anything starts (in the daemon, before any other job is launched)."""
+    if job.workdir is not None and not os.path.isdir(job.workdir):
+        raise ConfigError(f"jobs.{job.name}.workdir: {job.workdir}: no such directory")
+    if job.user is not None:
+        try:
+            pwd.getpwnam(job.user)
+        except KeyError:
+            raise ConfigError(f"jobs.{job.name}.user: no such user {job.user!r}") from None
     prog = job.command[0]
     env_path = job.env.get("PATH", os.environ.get("PATH", os.defpath))
     if "/" in prog:
