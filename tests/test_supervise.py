@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import Workspace, finish, pid_gone, wait_for
@@ -415,3 +416,36 @@ def test_many_ranks_in_lock_step_are_not_taken_for_hung(ws: Workspace) -> None:
     assert rc == 0, out
     assert ws.incidents() == []
     assert len(ws.status()["ranks"]) == 16
+
+
+def test_a_stalled_reader_of_our_output_does_not_stall_supervision(ws: Workspace) -> None:
+    """With trainwatch's stdout a pipe nobody reads, a chatty job's crash is still handled."""
+    cfg = ws.config({"command": [sys.executable, "-c",
+                                 "import sys; sys.stdout.write('x' * 300000); sys.exit(3)"]},
+                    {"max_restarts": 0})
+    p = subprocess.Popen([sys.executable, "-m", "trainwatch.cli", "run", "--config", str(cfg)],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    ws.procs.append(p)
+    wait_for(lambda: ws.incidents(), timeout=20, what="the crash to be recorded")
+    assert p.wait(timeout=20) == 1  # fatal, though nobody ever read its stdout
+
+
+def test_orphans_that_leave_the_session_are_reaped(ws: Workspace) -> None:
+    """An orphan in its own session that exits is reaped by trainwatch, not left a zombie."""
+    import psutil
+
+    # sh starts `setsid sleep` and exits at once: the sleep is orphaned into its own
+    # session and re-parented to trainwatch, the subreaper.
+    cfg = ws.config({"command": [sys.executable, "-c",
+                                 "import subprocess, time; "
+                                 "subprocess.run(['sh', '-c', 'setsid sleep 0.3 & exit 0']); "
+                                 "time.sleep(30)"]})
+    p = ws.run(cfg)
+    wait_for(lambda: ws.status().get("state") == "starting", what="the job to start")
+    time.sleep(1.0)  # the orphan has exited by now and re-parented to trainwatch
+
+    def zombies() -> list[int]:
+        return [c.pid for c in psutil.Process(p.pid).children()
+                if c.status() == psutil.STATUS_ZOMBIE]
+
+    wait_for(lambda: not zombies(), timeout=15, what="the zombie to be reaped")

@@ -9,7 +9,9 @@ stdout and stderr in ``trainwatch run``).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import select
 import subprocess
 import time
 from collections.abc import Mapping
@@ -20,6 +22,7 @@ from trainwatch.config import Job
 from trainwatch.tree import JobTree
 
 _CHUNK = 65536
+log = logging.getLogger("trainwatch")
 
 
 def job_env(
@@ -78,6 +81,7 @@ class Attempt:
         self.log_path = log_dir / f"attempt-{number}-{int(time.time())}.log"
         self.log: BinaryIO = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         self.passthrough = passthrough
+        self.dropped = 0  # bytes of output that could not be written
         self.gpus = gpus
         self.proc = subprocess.Popen(
             job_argv(job, resume_from, gpus),
@@ -115,12 +119,29 @@ class Attempt:
             data = b""
         if not data:
             return False
-        self.log.write(data)
-        self.log.flush()
-        if self.passthrough:
-            with contextlib.suppress(OSError):
-                os.write(self.pipes[fd], data)
+        self._copy(fd, data)
         return True
+
+    def _copy(self, fd: int, data: bytes) -> None:
+        """To the log, and through to our own stdout/stderr. Neither may stop the
+        loop: a write error (disk full) or a reader that stopped reading (a paused
+        terminal, `| less`) drops the output and counts it."""
+        try:
+            self.log.write(data)
+            self.log.flush()
+        except OSError as e:
+            if not self.dropped:
+                log.error("job %s: cannot write %s: %s", self.job.name, self.log_path,
+                          e.strerror or e)
+            self.dropped += len(data)
+        if self.passthrough:
+            out = self.pipes[fd]
+            while data and select.select([], [out], [], 0)[1]:
+                try:
+                    data = data[os.write(out, data):]
+                except OSError:
+                    break
+            self.dropped += len(data)
 
     def _drain(self, fd: int) -> None:
         while True:
@@ -130,10 +151,7 @@ class Attempt:
                 return
             if not data:
                 return
-            self.log.write(data)
-            if self.passthrough:
-                with contextlib.suppress(OSError):
-                    os.write(self.pipes[fd], data)
+            self._copy(fd, data)
 
     def poll_exit(self) -> int | None:
         """Reap the leader if it has exited; its returncode (negative: signal)."""

@@ -93,6 +93,12 @@ class Catalog:
         }
 
     def _save(self) -> None:
+        try:
+            self._write()
+        except OSError as e:  # survived: the catalog also finds checkpoints on disk
+            log.error("%s: cannot save: %s", self.state_file, e.strerror or e)
+
+    def _write(self) -> None:
         atomic.write_json(
             self.state_file,
             {"owner": self.owner, "reported": self.reported, "bad": self.bad,

@@ -204,7 +204,10 @@ class GpuWatch:
         self._save()
 
     def _save(self) -> None:
-        atomic.write_json(self._exclusions, {"excluded": self.health.excluded()})
+        try:
+            atomic.write_json(self._exclusions, {"excluded": self.health.excluded()})
+        except OSError as e:  # the exclusion holds in memory; it is lost only on restart
+            log.error("%s: cannot save the GPU exclusions: %s", self._exclusions, e.strerror or e)
 
     def healthy(self, devices: tuple[int, ...] | None) -> list[int]:
         """Of these GPUs (None: all), the ones not excluded."""

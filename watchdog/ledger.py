@@ -4,11 +4,14 @@ incidents`` reads. Times are wall-clock Unix seconds."""
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import sqlite3
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,7 @@ CREATE INDEX IF NOT EXISTS transitions_job ON transitions (job, id);
 """
 
 LEDGER_NAME = "ledger.db"
+log = logging.getLogger("trainwatch")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,25 @@ class Relaunch:
     resumed_from: str | None
     resumed_step: int | None
     steps_lost: int | None
+
+
+def _survive(default: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A failed write (disk full, I/O error) is logged and survived: losing a
+    ledger row is better than a supervisor that dies and leaves its job behind."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def guarded(self: Ledger, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(self, *args, **kwargs)
+            except sqlite3.Error as e:
+                self.errors += 1
+                log.error("ledger %s: %s failed: %s", self.path, fn.__name__, e)
+                return default
+
+        return guarded
+
+    return wrap
 
 
 class Ledger:
@@ -78,7 +101,9 @@ class Ledger:
             self.db.executescript(_SCHEMA)
         self.db.row_factory = sqlite3.Row
         self.path = path
+        self.errors = 0  # writes that failed and were survived
 
+    @_survive(-1)
     def incident(
         self,
         fault: Fault,
@@ -104,6 +129,7 @@ class Ledger:
         assert cur.lastrowid is not None
         return cur.lastrowid
 
+    @_survive(None)
     def relaunched(self, incident_id: int, r: Relaunch) -> None:
         self.db.execute(
             "UPDATE incidents SET relaunched_at=?, time_to_relaunch_s=? - time,"
@@ -111,6 +137,7 @@ class Ledger:
             (r.at, r.at, r.resumed_from, r.resumed_step, r.steps_lost, incident_id),
         )
 
+    @_survive(None)
     def transition(
         self, job: str, attempt: int, old: JobState | None, new: JobState, reason: str
     ) -> None:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+import psutil
 from trainwatch import tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.control import ControlSocket
@@ -30,6 +31,7 @@ from trainwatch.types import JobState
 log = logging.getLogger("trainwatch")
 
 _MAX_SLEEP = 1.0
+_REAP_EVERY = 5.0
 
 
 class Supervisor:
@@ -72,6 +74,7 @@ class Supervisor:
             log.warning("no control socket (GPU drills cannot reach this trainwatch): %s", e)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
         self.stop_signal: int | None = None
+        self._next_reap = 0.0
         self._stop_sent = False
 
     def _on_wake(self, fd: int) -> None:
@@ -111,6 +114,24 @@ class Supervisor:
         else:
             raise ValueError(f"unknown op {op!r}")
         return {"injected": op, "gpu": gpu}
+
+    def _reap_strays(self) -> None:
+        """As a subreaper we inherit orphans that left the job's session; reap
+        those that have exited, except a leader whose status its attempt collects."""
+        leaders = {r.attempt.pid for r in self.runners
+                   if r.attempt is not None and r.attempt.returncode is None}
+        try:
+            children = psutil.Process().children()
+        except psutil.Error:
+            return
+        for child in children:
+            try:
+                zombie = child.status() == psutil.STATUS_ZOMBIE
+            except psutil.Error:
+                continue
+            if zombie and child.pid not in leaders:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(child.pid, os.WNOHANG)
 
     def _route_gpu_faults(self) -> None:
         if self.gpus is None:
@@ -152,6 +173,9 @@ class Supervisor:
                 now = self.clock()
                 for r in self.runners:
                     r.tick(now)
+                if now >= self._next_reap:
+                    self._next_reap = now + _REAP_EVERY
+                    self._reap_strays()
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
