@@ -4,6 +4,7 @@ bytes, so not pytest's long tmp_path), a config writer, and a real
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -50,8 +51,9 @@ class Workspace:
                **top: Any) -> Path:
         """Write a config for one job named `job` and return its path."""
         job = {"name": "job", "checkpoints": {"dir": str(self.ckpt)}, **job}
+        # The exporter is off unless a test asks for it: tests must not race for a port.
         doc: dict[str, Any] = {"state_dir": str(self.state), "run_dir": str(self.root / "run"),
-                               "jobs": [job], **top}
+                               "metrics": {"port": 0}, "jobs": [job], **top}
         pol = {"backoff": {"initial": "0.05s", "max": "1s", "jitter": 0}, "kill_grace": "2s"}
         pol.update(policy or {})
         doc["policies"] = {"default": pol}
@@ -135,23 +137,32 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
-@pytest.fixture
-def ws() -> Iterator[Workspace]:
+@contextlib.contextmanager
+def workspace() -> Iterator[Workspace]:
+    """A short temp dir; every trainwatch started in it is stopped (SIGINT) at the end."""
     root = Path(tempfile.mkdtemp(prefix="tw", dir="/tmp"))
     w = Workspace(root)
     w.ckpt.mkdir()
-    yield w
-    for p in w.procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGINT)
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if p.stdout:
-            p.stdout.close()
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        yield w
+    finally:
+        for p in w.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            if p.stdout:
+                p.stdout.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def ws() -> Iterator[Workspace]:
+    with workspace() as w:
+        yield w
 
 
 @pytest.fixture(autouse=True)
@@ -159,3 +170,28 @@ def _no_inherited_trainwatch_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in list(os.environ):
         if k.startswith("TRAINWATCH_"):
             monkeypatch.delenv(k)
+
+
+def missing(why: str) -> None:
+    """What this machine lacks skips a test here; in CI (CI=true) it fails instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must have this: {why}")
+    pytest.skip(why)
+
+
+def need_binary(name: str) -> str:
+    """The path of an integration binary (prometheus, promtool, ...)."""
+    path = shutil.which(name)
+    if path is None:
+        missing(f"{name} is not installed (Debian package prometheus; make test installs it)")
+        raise AssertionError("unreachable")
+    return path
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the kernel's pick, released again)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

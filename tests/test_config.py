@@ -235,17 +235,17 @@ BAD: list[object] = [
     ),
     pytest.param(
         JOB + "metrics: {port: 70000}\n",
-        "<file>: metrics.port: expected a port number 1-65535, got 70000",
+        "<file>: metrics.port: expected a port number 1-65535, or 0 for off, got 70000",
         id="port-too-high",
     ),
     pytest.param(
-        JOB + "metrics: {port: 0}\n",
-        "<file>: metrics.port: expected a port number 1-65535, got 0",
-        id="port-zero",
+        JOB + "metrics: {port: -1}\n",
+        "<file>: metrics.port: expected a port number 1-65535, or 0 for off, got -1",
+        id="port-negative",
     ),
     pytest.param(
         JOB + "metrics: {port: '9445'}\n",
-        "<file>: metrics.port: expected a port number 1-65535, got '9445'",
+        "<file>: metrics.port: expected a port number 1-65535, or 0 for off, got '9445'",
         id="port-quoted",
     ),
     pytest.param(

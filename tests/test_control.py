@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace
+from conftest import Workspace, missing
 from trainwatch.control import (
     MAX_REQUEST,
     ControlError,
@@ -35,13 +35,6 @@ from trainwatch.sources.kmsg import KernelLog, parse_line
 
 NOBODY = 65534
 Calls = list[tuple[str, dict[str, Any]]]
-
-
-def _skip_outside_ci(why: str) -> None:
-    """What this machine lacks skips a test here; in CI it fails instead."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must have this: {why}")
-    pytest.skip(why)
 
 
 def _require_root() -> None:
@@ -172,7 +165,7 @@ def test_socket_is_0660_and_owned_by_the_group(run_dir: str) -> None:
     groups = os.getgroups() if os.geteuid() else [g.gr_gid for g in grp.getgrall()]
     other = [g for g in groups if g != os.getegid()]
     if not other:
-        _skip_outside_ci("no second group to hand the socket to")
+        missing("no second group to hand the socket to")
     name = grp.getgrgid(other[0]).gr_name
     cs = ControlSocket(run_dir, _recorder([]), group=name)
     try:
@@ -221,7 +214,7 @@ def test_member_of_the_group_is_allowed(run_dir: str) -> None:
     try:
         group = grp.getgrgid(NOBODY).gr_name
     except KeyError:
-        _skip_outside_ci("no group with gid 65534 on this machine")
+        missing("no group with gid 65534 on this machine")
     calls: Calls = []
     cs = ControlSocket(run_dir, _recorder(calls), group=group)
     try:
@@ -449,7 +442,7 @@ def test_faultinject_gpu_xid_mistakes_are_one_line(
 def test_faultinject_kmsg_refuses_a_device(run_dir: str) -> None:
     """--kmsg /dev/kmsg: refused with one line (userspace lines there are ignored as foreign)."""
     if not os.path.exists("/dev/kmsg"):
-        _skip_outside_ci("no /dev/kmsg here")
+        missing("no /dev/kmsg here")
     p = _faultinject("gpu-xid", "--xid", "79", "--kmsg", "/dev/kmsg", "--pci", "0000:06:00")
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1

@@ -17,7 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainwatch import atomic
@@ -37,6 +37,15 @@ class Entry:
     @property
     def good(self) -> bool:
         return self.complete and not self.bad
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the exporter shows of the catalog."""
+
+    last_good: Entry | None = None
+    last_good_mtime: float | None = None  # Unix seconds
+    counts: dict[str, int] = field(default_factory=dict)  # good / incomplete / bad
 
 
 def _newest_mtime(path: Path) -> float:
@@ -158,6 +167,20 @@ class Catalog:
             if e.good and (before_step is None or e.step < before_step):
                 return e
         return None
+
+    def summary(self) -> Summary:
+        entries = self.entries()
+        counts = {"good": 0, "incomplete": 0, "bad": 0}
+        for e in entries:
+            counts["bad" if e.bad else "good" if e.good else "incomplete"] += 1
+        good = [e for e in entries if e.good]
+        if not good:
+            return Summary(counts=counts)
+        try:
+            mtime: float | None = os.stat(good[-1].path).st_mtime
+        except OSError:
+            mtime = None
+        return Summary(good[-1], mtime, counts)
 
     # --- what the supervisor tells us ---------------------------------------
 

@@ -54,6 +54,13 @@ def _natural(text: str) -> int:
     return n
 
 
+def _port(text: str) -> int:
+    n = _natural(text)
+    if n > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
+    return n
+
+
 def _setup_logging(quiet: bool = False) -> None:
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO,
@@ -109,6 +116,8 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
         run_dir=args.run_dir or config.run_dir,
         observe_only=config.observe_only or args.observe_only,
     )
+    if args.metrics_port is not None:
+        config = replace(config, metrics=replace(config.metrics, port=args.metrics_port))
     if len(socket_path(config.run_dir, job.name)) > MAX_SOCKET_PATH:
         raise ConfigError(
             f"--run-dir: expected a path short enough for a socket, got {config.run_dir!r}"
@@ -237,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--heartbeat-timeout", type=_duration, help="e.g. 5m (default 5m)")
     r.add_argument("--startup-timeout", type=_duration, help="until the first beat (default off)")
     r.add_argument("--max-restarts", type=_natural, help="within the window (default 10 in 24h)")
+    r.add_argument("--metrics-port", type=_port,
+                   help="the Prometheus exporter's port (default 9445; 0: off)")
     r.add_argument("--observe-only", action="store_true", help="record, never signal the job")
     r.add_argument("--no-passthrough", action="store_true", help="only log the job's output")
     r.add_argument("-q", "--quiet", action="store_true", help="only warnings from trainwatch")

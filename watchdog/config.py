@@ -287,7 +287,7 @@ def _positive_int(v: object) -> int:
 
 def _port(v: object) -> int:
     n = _natural(v)
-    if not 0 < n < 65536:
+    if not 0 <= n < 65536:
         raise ValueError(v)
     return n
 
@@ -358,7 +358,7 @@ _CHECKS: dict[str, Any] = {
     "a duration such as 30s, 5m or 24h, or null": _optional_duration,
     "an integer >= 0": _natural,
     "an integer >= 1": _positive_int,
-    "a port number 1-65535": _port,
+    "a port number 1-65535, or 0 for off": _port,
     "a number >= 1": _factor,
     "a fraction 0 <= x < 1": _fraction,
     "true or false": _boolean,
@@ -570,7 +570,8 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         policies=policies,
         metrics=Metrics(
             address=r.get(mm, "address", "metrics", _STR, Metrics.address),
-            port=r.get(mm, "port", "metrics", "a port number 1-65535", Metrics.port),
+            port=r.get(mm, "port", "metrics", "a port number 1-65535, or 0 for off",
+                       Metrics.port),
         ),
         gpu=Gpu(
             backend=r.get(gm, "backend", "gpu", "auto, nvml, sim or off", Gpu.backend),

@@ -20,6 +20,7 @@ from trainwatch.detectors.gpu import (
     is_duplicate,
 )
 from trainwatch.types import Fault, GpuSample, XidEvent
+from trainwatch.xid import classify
 
 
 class GpuState(str, enum.Enum):
@@ -44,6 +45,9 @@ class GpuHealth:
         self.source_up = False
         self._recent_xids: deque[XidEvent] = deque(maxlen=256)
         self._thermal_active: set[int] = set()
+        # Xids seen, by (GPU or None when unmapped, Xid, the catalog's class): the
+        # exporter's counter, one per error whichever paths reported it.
+        self.xid_counts: dict[tuple[int | None, int, str], int] = {}
 
     def _gpu(self, index: int) -> _Gpu:
         return self.gpus.setdefault(index, _Gpu())
@@ -81,6 +85,8 @@ class GpuHealth:
         if is_duplicate(self._recent_xids, ev, self.dedup_window):
             return None
         self._recent_xids.append(ev)
+        key = (ev.gpu, ev.xid, classify(ev.xid, ev.message).immediate.value.lower())
+        self.xid_counts[key] = self.xid_counts.get(key, 0) + 1
         if ev.gpu is not None:
             g = self._gpu(ev.gpu)
             if g.excluded is not None:

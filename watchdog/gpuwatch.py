@@ -16,6 +16,7 @@ import select
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,6 +31,16 @@ from trainwatch.types import Fault, GpuSample, XidEvent
 log = logging.getLogger("trainwatch")
 
 _KMSG_TICK = 0.05  # a kernel-log file (not /dev/kmsg) is read this often
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    """One source as the exporter reports it."""
+
+    name: str
+    up: bool
+    errors: int
+    duration: float | None  # seconds its last read took; None: not read yet
 
 
 class Backend(Protocol):
@@ -51,6 +62,9 @@ class GpuWatch:
         self.kmsg: KernelLog | None = None
         self.indices: list[int] = []
         self.up: dict[str, bool] = {"nvml": False, "sim": False, "kmsg": False}
+        # Written by the source threads, read by the exporter: plain values, swapped whole.
+        self.took: dict[str, float] = {}
+        self.failures: dict[str, int] = {}
         self._q: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -121,12 +135,18 @@ class GpuWatch:
 
     def _poll_loop(self) -> None:
         assert self.backend is not None
+        name = "sim" if self.spec.backend == "sim" else "nvml"
         while not self._stop.wait(self.spec.poll_interval):
+            t0 = time.perf_counter()
             try:
-                self._put("samples", self.backend.poll())
+                samples = self.backend.poll()
             except Exception:  # a source's failure is logged and counted, never fatal
                 log.exception("GPU poll failed")
+                self.failures[name] = self.failures.get(name, 0) + 1
                 self._put("down", None)
+                continue
+            self.took[name] = time.perf_counter() - t0
+            self._put("samples", samples)
 
     def _kmsg_loop(self) -> None:
         k = self.kmsg
@@ -136,9 +156,27 @@ class GpuWatch:
                 select.select([k], [], [], 0.5)
             else:
                 self._stop.wait(_KMSG_TICK)
+            t0 = time.perf_counter()
             events = k.read()
+            self.took["kmsg"] = time.perf_counter() - t0
             if events:
                 self._put("xids", events)
+
+    def sources(self) -> list[SourceStatus]:
+        """The configured GPU sources: is each reading the world, and at what cost."""
+        out = []
+        name = "sim" if self.spec.backend == "sim" else "nvml"
+        errors = self.failures.get(name, 0)
+        counters = getattr(self.backend, "counters", None)
+        if counters is not None:
+            errors += sum(counters.errors.values())
+        out.append(SourceStatus(name, self.up[name] and self.health.source_up, errors,
+                                self.took.get(name)))
+        if self.spec.kmsg:
+            k = self.kmsg
+            out.append(SourceStatus("kmsg", self.up["kmsg"], k.counters.errors if k else 0,
+                                    self.took.get("kmsg")))
+        return out
 
     # --- the loop's side -------------------------------------------------------
 

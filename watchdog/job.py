@@ -22,6 +22,7 @@ import os
 import random
 import selectors
 import signal
+import statistics
 import subprocess
 import threading
 import time
@@ -31,12 +32,13 @@ from dataclasses import dataclass
 
 from trainwatch import status
 from trainwatch.attempt import Attempt
-from trainwatch.catalog import Catalog, Entry
+from trainwatch.catalog import Catalog, Entry, Summary
 from trainwatch.config import Config, Job, socket_path
 from trainwatch.detectors.crash import detect_crash
 from trainwatch.detectors.hang import detect_hang, next_deadline
 from trainwatch.gpuwatch import GpuWatch
 from trainwatch.ledger import Ledger, Relaunch
+from trainwatch.metrics import Events
 from trainwatch.policy import RestartHistory, decide
 from trainwatch.ranks import Ranks
 from trainwatch.sources.heartbeat import HeartbeatSocket
@@ -79,10 +81,22 @@ def _queue_limit() -> int:
 
 
 _QUEUE_FULL = max(2, _queue_limit())
+# The checkpoint summary the exporter shows is refreshed this often.
+_CATALOG_EVERY = 10.0
 # While stopping, look at the tree this often.
 _STOP_POLL = 0.05
 # Without a pidfd (kernels before 5.3), poll the leader this often.
 _EXIT_POLL = 0.1
+
+
+@dataclass
+class _Outage:
+    """A fault that stopped the job, until the relaunch's first heartbeat."""
+
+    kind: str
+    onset: float  # monotonic
+    detected: float
+    redo_seconds: float = 0.0  # steps lost x the step interval before the fault
 
 
 @dataclass
@@ -105,8 +119,11 @@ class JobRunner:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
         gpus: GpuWatch | None = None,
+        events: Events | None = None,
     ) -> None:
         self.config = config
+        self.events = events if events is not None else Events(None)
+        self.events.add_job(job.name)
         self.gpuwatch = gpus
         self.xids_seen: deque[tuple[int | None, float]] = deque(maxlen=256)  # (gpu, at)
         self.job = job
@@ -137,6 +154,13 @@ class JobRunner:
         self.socket = HeartbeatSocket(self.socket_path, self._believe, clock)
         self.socket_poll_at = 0.0  # 0: waiting on the socket; else: next poll of it
         self.socket_wake_until = 0.0  # until then, wake on every datagram
+        # For the exporter: the catalog's summary, and the time faults cost.
+        self.checkpoints = Summary()
+        self.checkpoints_at = 0.0
+        self.outage: _Outage | None = None
+        self.lost_seconds = 0.0
+        self.first_started: float | None = None
+        self.ended_at: float | None = None
         selector.register(self.socket, selectors.EVENT_READ, self._on_socket)
 
     # --- state ---------------------------------------------------------------
@@ -146,6 +170,10 @@ class JobRunner:
         if old is not None and new not in TRANSITIONS[old]:
             raise AssertionError(f"illegal transition {old.value} -> {new.value} ({reason})")
         self.state = new
+        if new in (JobState.EXITED, JobState.FATAL, JobState.PAUSED):
+            self.ended_at = self.clock()
+        elif new is JobState.STARTING:
+            self.ended_at = None
         self.ledger.transition(self.job.name, max(self.number, 0), old, new, reason)
         log.info(
             "job %s: %s -> %s: %s", self.job.name, old.value if old else "-", new.value, reason
@@ -227,6 +255,10 @@ class JobRunner:
             self._to(JobState.FATAL, what)
             return
         self.attempt = a
+        if self.first_started is None:
+            self.first_started = a.started
+        intervals = self.ranks.intervals  # the faulted attempt's seconds per step
+        step_s = statistics.median(intervals) if intervals else 0.0
         self.ranks = Ranks(started=a.started)
         self.hang_latched = False
         reached, self.last_step = self.last_step, cp.step if cp else None
@@ -241,6 +273,12 @@ class JobRunner:
         if self.pending_incident is not None:
             # The faulted attempt reached `reached`; this one starts over at cp.
             lost = None if reached is None else max(0, reached - (cp.step if cp else 0))
+            if self.outage is not None:
+                o, name = self.outage, self.job.name
+                self.events.restarts.labels(name, o.kind).inc()
+                self.events.relaunch.labels(name).observe(max(0.0, a.started - o.detected))
+                self.events.steps_lost.labels(name).inc(lost or 0)
+                o.redo_seconds += (lost or 0) * step_s
             self.ledger.relaunched(
                 self.pending_incident,
                 Relaunch(a.started_wall, a.resume_from, a.resumed_step, lost),
@@ -292,6 +330,7 @@ class JobRunner:
                 self._on_beat(obs)
             elif isinstance(obs, CheckpointReport):
                 self.catalog.report(obs.step, obs.path)
+                self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
                 log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step,
                          obs.path)
         return len(observations) + c.malformed + c.oversized + c.foreign - sum(before)
@@ -308,6 +347,12 @@ class JobRunner:
         a = self.attempt
         if first and a is not None and a.resumed_step is not None:
             self.catalog.start_succeeded(a.resumed_step)
+        if first and self.outage is not None:
+            # Back at work: the outage cost its downtime and the steps it must redo.
+            lost = max(0.0, b.at - self.outage.onset) + self.outage.redo_seconds
+            self.events.seconds_lost.labels(self.job.name).inc(lost)
+            self.lost_seconds += lost
+            self.outage = None
         if self.state is JobState.STARTING:
             self._to(JobState.RUNNING, f"first heartbeat (rank {b.rank}, step {b.step})")
         elif new_pid:
@@ -346,6 +391,9 @@ class JobRunner:
 
     def tick(self, now: float) -> None:
         self._poll_socket(now)
+        if now >= self.checkpoints_at:
+            self.checkpoints = self.catalog.summary()
+            self.checkpoints_at = now + _CATALOG_EVERY
         a = self.attempt
         live = self.state in (JobState.STARTING, JobState.RUNNING)
         if live and a is not None and a.pidfd is None and a.returncode is None:
@@ -421,6 +469,7 @@ class JobRunner:
                 and not self.config.observe_only):
             self._exclude(fault)
             reason += f"; GPU {fault.gpu} excluded"
+        self.events.faults.labels(self.job.name, fault.kind.value).inc()
         self.ledger.incident(fault, action.value, reason, max(self.number, 0), 0.0,
                              observe_only=self.config.observe_only,
                              injected=fault.evidence.get("source") == "drill")
@@ -490,6 +539,8 @@ class JobRunner:
         else:
             d = decide(self.policy, fault, self.history, now, now - a.started, self.rng, action)
             reason, delay, fatal = d.reason, d.delay, d.fatal
+        self.events.faults.labels(self.job.name, fault.kind.value).inc()
+        self.events.detection.labels(self.job.name).observe(max(0.0, now - fault.onset))
         incident = self.ledger.incident(
             fault, action.value, reason, a.number, max(0.0, now - fault.onset),
             observe_only=self.config.observe_only, backoff=delay,
@@ -499,6 +550,13 @@ class JobRunner:
         log.warning("job %s: %s (%s) -> %s: %s", self.job.name, fault.kind.value, ev,
                     action.value, reason)
 
+        if not self.config.observe_only and (action is not Action.ALERT or exited):
+            # The job stops working from the fault's onset (the first fault's, if the
+            # relaunch after it faulted too) until a relaunch beats again.
+            if self.outage is None:
+                self.outage = _Outage(fault.kind.value, fault.onset, now)
+            else:
+                self.outage.kind, self.outage.detected = fault.kind.value, now
         if self.config.observe_only or action is Action.ALERT:
             if exited:
                 self._begin_stop(JobState.FATAL, f"{fault.kind.value}: not relaunched ({reason})")
@@ -581,6 +639,19 @@ class JobRunner:
         self._unregister(self.socket.fileno())
         self.socket_poll_at = 0.0
         self.socket.close()
+
+    def goodput(self, now: float) -> float | None:
+        """1 - seconds lost to faults / seconds supervised; None before the first launch."""
+        if self.first_started is None:
+            return None
+        end = self.ended_at if self.ended_at is not None else now
+        total = end - self.first_started
+        if total <= 0:
+            return None
+        lost = self.lost_seconds
+        if self.outage is not None:  # still down, or ended down: it counts until now
+            lost += max(0.0, end - self.outage.onset) + self.outage.redo_seconds
+        return max(0.0, min(1.0, 1.0 - lost / total))
 
     @property
     def exit_code(self) -> int:

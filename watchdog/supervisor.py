@@ -13,6 +13,7 @@ import pwd
 import selectors
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -25,6 +26,7 @@ from trainwatch.control import ControlSocket
 from trainwatch.gpuwatch import GpuWatch
 from trainwatch.job import JobRunner
 from trainwatch.ledger import Ledger
+from trainwatch.metrics import Exporter
 from trainwatch.sources.heartbeat import SocketInUse
 from trainwatch.types import JobState
 
@@ -54,11 +56,16 @@ class Supervisor:
         self.gpus: GpuWatch | None = None
         if config.gpu.backend != "off":
             self.gpus = GpuWatch(config.gpu, config.state_dir, self.wake, clock)
+        # Held by the loop whenever it is not waiting in select(): a scrape reads
+        # between two events, never in the middle of one.
+        self.lock = threading.Lock()
+        self.exporter = Exporter(self)
         self.runners: list[JobRunner] = []
         try:
             for j in jobs if jobs is not None else config.jobs:
                 self.runners.append(JobRunner(config, j, self.ledger, self.sel, passthrough,
-                                              clock, gpus=self.gpus))
+                                              clock, gpus=self.gpus,
+                                              events=self.exporter.events))
         except SocketInUse as e:
             for r in self.runners:
                 r.close()
@@ -73,6 +80,15 @@ class Supervisor:
         except (SocketInUse, OSError) as e:
             log.warning("no control socket (GPU drills cannot reach this trainwatch): %s", e)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
+        m = config.metrics
+        if m.port:
+            try:
+                self.exporter.start(m.address, m.port)
+            except OSError as e:
+                self.close()
+                raise ConfigError(f"metrics: cannot listen on {m.address}:{m.port}: "
+                                  f"{e.strerror or e} (metrics.port, or --metrics-port; "
+                                  "0 turns the exporter off)") from None
         self.stop_signal: int | None = None
         self._next_reap = 0.0
         self._stop_sent = False
@@ -153,6 +169,7 @@ class Supervisor:
             # SIGHUP too: a closed terminal must not leave the job running unsupervised.
             for sig in (signal.SIGINT.value, signal.SIGTERM.value, signal.SIGHUP.value):
                 old[sig] = signal.signal(sig, self._handler)
+        self.lock.acquire()
         try:
             if self.gpus is not None:
                 self.gpus.start()
@@ -167,7 +184,12 @@ class Supervisor:
                         r.stop(f"operator: {name}")
                 now = self.clock()
                 wake = min([now + _MAX_SLEEP, *(r.next_wake(now) for r in self.runners)])
-                for key, _ in self.sel.select(max(0.0, wake - now)):
+                self.lock.release()  # the scrape's moment
+                try:
+                    ready = self.sel.select(max(0.0, wake - now))
+                finally:
+                    self.lock.acquire()
+                for key, _ in ready:
                     key.data(key.fd)
                 self._route_gpu_faults()
                 now = self.clock()
@@ -180,12 +202,14 @@ class Supervisor:
             for sig, handler in old.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
             self.close()
+            self.lock.release()
         if self.stop_signal is not None and not all(r.state is JobState.EXITED
                                                     for r in self.runners):
             return 128 + self.stop_signal
         return max(r.exit_code for r in self.runners)
 
     def close(self) -> None:
+        self.exporter.close()
         if self.control is not None:
             self.sel.unregister(self.control)
             self.control.close()

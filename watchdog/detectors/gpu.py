@@ -10,23 +10,29 @@ from collections.abc import Sequence
 
 from trainwatch.types import Fault, FaultKind, GpuSample, XidEvent
 
-# nvmlClocksEventReason* bits (nvml.h): the ones that mean the GPU is being
-# slowed by heat or by the board, not by an idle or a configured clock.
+# nvmlClocksEventReason* bits (nvml.h), with the names the metrics use.
+CLOCK_EVENT_REASONS = (
+    (0x1, "gpu_idle"),
+    (0x2, "applications_clocks_setting"),
+    (0x4, "sw_power_cap"),
+    (0x8, "hw_slowdown"),
+    (0x10, "sync_boost"),
+    (0x20, "sw_thermal_slowdown"),
+    (0x40, "hw_thermal_slowdown"),
+    (0x80, "hw_power_brake_slowdown"),
+    (0x100, "display_clock_setting"),
+)
+# The ones that mean the GPU is being slowed by heat or by the board, not by an
+# idle or a configured clock.
 HW_SLOWDOWN = 0x8
 SW_THERMAL_SLOWDOWN = 0x20
 HW_THERMAL_SLOWDOWN = 0x40
 HW_POWER_BRAKE_SLOWDOWN = 0x80
 THERMAL_REASONS = HW_SLOWDOWN | SW_THERMAL_SLOWDOWN | HW_THERMAL_SLOWDOWN | HW_POWER_BRAKE_SLOWDOWN
-_REASON_NAMES = {
-    HW_SLOWDOWN: "hw_slowdown",
-    SW_THERMAL_SLOWDOWN: "sw_thermal_slowdown",
-    HW_THERMAL_SLOWDOWN: "hw_thermal_slowdown",
-    HW_POWER_BRAKE_SLOWDOWN: "hw_power_brake_slowdown",
-}
 
 
 def reason_names(bits: int) -> list[str]:
-    return [name for bit, name in _REASON_NAMES.items() if bits & bit]
+    return [name for bit, name in CLOCK_EVENT_REASONS if bits & bit & THERMAL_REASONS]
 
 
 def is_duplicate(recent: Sequence[XidEvent], ev: XidEvent, window: float) -> bool:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from trainwatch.types import GpuSample
 
 _SIM_BUS = "00000000:{:02x}:00.0"
+_NVLINK_CLEAN = tuple((name, 0) for name in ("crc_flit", "crc_data", "replay", "recovery",
+                                             "ecc_data"))
 
 
 class SimGpus:
@@ -35,7 +37,7 @@ class SimGpus:
                 ecc_aggregate_corrected=0, ecc_aggregate_uncorrected=0,
                 remapped_rows_corrected=0, remapped_rows_uncorrected=0,
                 remap_pending=False, remap_failure=False, pcie_replay_total=0,
-                recovery_action=0,
+                recovery_action=0, nvlink_errors=_NVLINK_CLEAN,
             )
             for i in range(self.count)
         ]

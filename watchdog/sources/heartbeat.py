@@ -35,6 +35,7 @@ class Counters:
     malformed: int = 0
     oversized: int = 0
     foreign: int = 0
+    errors: int = 0  # the socket itself failed to read
 
 
 Observation = Beat | CheckpointReport
@@ -118,11 +119,23 @@ class HeartbeatSocket:
         os.chmod(path, 0o666)
         s.setblocking(False)
         self.sock = s
+        self.last_drain: float | None = None  # seconds the last drain took
+
+    @property
+    def open(self) -> bool:
+        return self.sock.fileno() >= 0
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def drain(self) -> list[Observation]:
+        t0 = time.perf_counter()
+        try:
+            return self._drain()
+        finally:
+            self.last_drain = time.perf_counter() - t0
+
+    def _drain(self) -> list[Observation]:
         out: list[Observation] = []
         c = self.counters
         for _ in range(_BATCH):
@@ -131,7 +144,7 @@ class HeartbeatSocket:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
-                c.malformed += 1
+                c.errors += 1
                 break
             c.received += 1
             if flags & _TRUNC:

@@ -1,0 +1,363 @@
+"""The Prometheus exporter (prometheus-client).
+
+State is read at scrape time by one collector (client_python's custom
+``Collector``): job states, steps, heartbeat ages, the GPUs' last samples,
+the sources' health. It reads under the supervisor loop's lock, so a scrape
+sees one consistent instant and never a half-applied event. What *happens*
+(faults, relaunches, their latencies, the work they cost) is counted as it
+happens, in prometheus-client counters and histograms held by ``Events``.
+
+Naming follows DESIGN: prefix ``trainwatch_``, base units, ``_total`` on
+counters, labels of bounded cardinality only (never a step, a path or a
+message). The README documents every family; a test compares that list with
+a live scrape.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from trainwatch import __version__
+from trainwatch.detectors.gpu import CLOCK_EVENT_REASONS
+from trainwatch.gpuhealth import GpuState
+from trainwatch.types import FaultKind, GpuSample, JobState
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
+    from trainwatch.supervisor import Supervisor
+
+# ``_created`` series double the counters for nothing a dashboard uses.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
+
+# Onset -> detection: a crash is seen in milliseconds, a hang after its timeout.
+DETECTION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
+                     1800)
+# Detection -> relaunch: kill grace plus backoff.
+RELAUNCH_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+# NVML's nvmlDeviceGpuRecoveryAction_t, as label values.
+RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
+_LIVE = (JobState.STARTING, JobState.RUNNING)
+
+
+class Events:
+    """What happened, counted as it happens; one set per registry."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        r = registry
+        self.faults = Counter("trainwatch_job_faults", "Faults detected, whatever the action.",
+                              ["job", "kind"], registry=r)
+        self.restarts = Counter("trainwatch_job_restarts",
+                                "Relaunches, by the kind of fault that caused them.",
+                                ["job", "kind"], registry=r)
+        self.detection = Histogram("trainwatch_job_detection_seconds",
+                                   "Fault onset to detection.", ["job"],
+                                   buckets=DETECTION_BUCKETS, registry=r)
+        self.relaunch = Histogram("trainwatch_job_relaunch_seconds",
+                                  "Detection to the relaunched process's start (kill and "
+                                  "backoff included).", ["job"], buckets=RELAUNCH_BUCKETS,
+                                  registry=r)
+        self.steps_lost = Counter("trainwatch_job_steps_lost",
+                                  "Steps redone after relaunches.", ["job"], registry=r)
+        self.seconds_lost = Counter("trainwatch_job_seconds_lost",
+                                    "Seconds lost to faults: onset to the relaunch's first "
+                                    "heartbeat, plus redoing the lost steps.", ["job"],
+                                    registry=r)
+
+    def add_job(self, job: str) -> None:
+        """Every series of a job from zero, so that the first fault is an increase."""
+        for kind in FaultKind:
+            self.faults.labels(job, kind.value)
+            self.restarts.labels(job, kind.value)
+        self.detection.labels(job)
+        self.relaunch.labels(job)
+        self.steps_lost.labels(job)
+        self.seconds_lost.labels(job)
+
+
+def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def _counter(name: str, doc: str, labels: Iterable[str] = ()) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, labels=list(labels))
+
+
+class StateCollector(Collector):
+    """Everything trainwatch knows, read from the supervisor at scrape time."""
+
+    def __init__(self, supervisor: Supervisor, lock_timeout: float = 2.0) -> None:
+        self.sup = supervisor
+        self.lock_timeout = lock_timeout
+
+    def collect(self) -> Iterator[Metric]:
+        build = _gauge("trainwatch_build_info", "trainwatch's version; always 1.",
+                       ["version", "python"])
+        build.add_metric([__version__, platform.python_version()], 1)
+        yield build
+        # A loop that does not let go of its lock is stuck: say so rather than block.
+        if not self.sup.lock.acquire(timeout=self.lock_timeout):
+            stuck = _gauge("trainwatch_source_up", "1 if the source's last read worked.",
+                           ["source"])
+            stuck.add_metric(["loop"], 0)
+            yield stuck
+            return
+        try:
+            yield from self._sources()
+            yield from self._gpus()
+            yield from self._jobs()
+        finally:
+            self.sup.lock.release()
+
+    # --- sources ------------------------------------------------------------------
+
+    def _sources(self) -> Iterator[Metric]:
+        up = _gauge("trainwatch_source_up",
+                    "1 if the source's last read of the world worked.", ["source"])
+        took = _gauge("trainwatch_source_scrape_duration_seconds",
+                      "How long the source's last read took.", ["source"])
+        errors = _counter("trainwatch_source_errors", "Failed reads, by source.", ["source"])
+        sup = self.sup
+        up.add_metric(["loop"], 1)
+        w = sup.gpus
+        if w is not None:
+            for src in w.sources():
+                up.add_metric([src.name], 1 if src.up else 0)
+                errors.add_metric([src.name], src.errors)
+                if src.duration is not None:
+                    took.add_metric([src.name], src.duration)
+        hb = [r.socket for r in sup.runners]
+        up.add_metric(["heartbeat"], 1 if all(s.open for s in hb) else 0)
+        errors.add_metric(["heartbeat"], sum(s.counters.errors for s in hb))
+        drained = [s.last_drain for s in hb if s.last_drain is not None]
+        if drained:
+            took.add_metric(["heartbeat"], max(drained))
+        up.add_metric(["control"], 1 if sup.control is not None else 0)
+        yield from (up, took, errors)
+        ledger = _counter("trainwatch_ledger_write_errors",
+                          "Ledger writes that failed and were survived.")
+        ledger.add_metric([], sup.ledger.errors)
+        yield ledger
+
+    # --- GPUs ---------------------------------------------------------------------
+
+    def _gpus(self) -> Iterator[Metric]:
+        w = self.sup.gpus
+        if w is None:
+            return
+        known = set(w.indices)
+        for r in self.sup.runners:
+            known.update(r.job.gpus.devices or ())
+        health = w.health
+        samples: dict[int, GpuSample | None] = {}
+        for i in sorted(known):
+            g = health.gpus.get(i)
+            samples[i] = g.last if g is not None else None
+        uuids = {i: (s.uuid or "") if s is not None else "" for i, s in samples.items()}
+        ids = ["gpu", "uuid"]
+
+        info = _gauge("trainwatch_gpu_info", "The GPU's identity; always 1.",
+                      [*ids, "name", "pci"])
+        state = _gauge("trainwatch_gpu_state",
+                       "1 for the GPU's current state: healthy, unknown or excluded.",
+                       [*ids, "state"])
+        lost = _gauge("trainwatch_gpu_lost", "1 while NVML says the GPU is lost or needs a reset.",
+                      ids)
+        for i, s in samples.items():
+            key = [str(i), uuids[i]]
+            info.add_metric([*key, (s.name or "") if s else "", (s.pci or "") if s else ""], 1)
+            now = health.state(i)
+            for st in GpuState:
+                state.add_metric([*key, st.value], 1 if st is now else 0)
+            if s is not None:
+                lost.add_metric(key, 1 if s.lost is not None else 0)
+        yield from (info, state, lost)
+
+        plain = [
+            ("temperature_celsius", "Temperature.", "temperature_c"),
+            ("slowdown_temperature_celsius", "The driver's slowdown threshold.",
+             "slowdown_temp_c"),
+            ("power_watts", "Power draw.", "power_w"),
+            ("utilization_ratio", "Time a kernel ran, 0 to 1.", "utilization_ratio"),
+            ("memory_used_bytes", "Frame buffer memory used.", "memory_used_bytes"),
+            ("memory_total_bytes", "Frame buffer memory.", "memory_total_bytes"),
+            ("row_remap_pending", "1 while a row remap waits for a GPU reset.", "remap_pending"),
+            ("row_remap_failed", "1 when a row remap failed.", "remap_failure"),
+            ("retired_pages_pending", "1 while a page retirement waits (before Ampere).",
+             "retired_pages_pending"),
+        ]
+        for suffix, doc, attr in plain:
+            fam = _gauge(f"trainwatch_gpu_{suffix}", doc, ids)
+            for i, s in samples.items():
+                v = getattr(s, attr) if s is not None else None
+                if v is not None:
+                    fam.add_metric([str(i), uuids[i]], float(v))
+            yield fam
+
+        clocks = _gauge("trainwatch_gpu_clock_event_active",
+                        "1 while that clock-event (throttle) reason is active.",
+                        [*ids, "reason"])
+        ecc = _counter("trainwatch_gpu_ecc_errors", "Volatile ECC errors since the driver "
+                       "loaded.", [*ids, "type"])
+        rows = _gauge("trainwatch_gpu_remapped_rows", "Rows remapped.", [*ids, "type"])
+        replays = _counter("trainwatch_gpu_pcie_replays", "PCIe replays.", ids)
+        nvlink = _counter("trainwatch_gpu_nvlink_errors", "NVLink errors, summed over links.",
+                          [*ids, "type"])
+        recovery = _gauge("trainwatch_gpu_recovery_action",
+                          "1 for NVML's current recovery action.", [*ids, "action"])
+        for i, s in samples.items():
+            if s is None:
+                continue
+            key = [str(i), uuids[i]]
+            if s.clock_event_reasons is not None:
+                for bit, reason in CLOCK_EVENT_REASONS:
+                    clocks.add_metric([*key, reason], 1 if s.clock_event_reasons & bit else 0)
+            for typ, v in (("corrected", s.ecc_volatile_corrected),
+                           ("uncorrected", s.ecc_volatile_uncorrected)):
+                if v is not None:
+                    ecc.add_metric([*key, typ], v)
+            for typ, v in (("correctable", s.remapped_rows_corrected),
+                           ("uncorrectable", s.remapped_rows_uncorrected)):
+                if v is not None:
+                    rows.add_metric([*key, typ], v)
+            if s.pcie_replay_total is not None:
+                replays.add_metric(key, s.pcie_replay_total)
+            for typ, v in s.nvlink_errors:
+                nvlink.add_metric([*key, typ], v)
+            if s.recovery_action is not None:
+                for code, action in enumerate(RECOVERY_ACTIONS):
+                    recovery.add_metric([*key, action], 1 if s.recovery_action == code else 0)
+        yield from (clocks, ecc, rows, replays, nvlink, recovery)
+
+        xids = _counter("trainwatch_gpu_xid_errors",
+                        "Xids seen (one per error, whichever paths reported it), by the "
+                        "catalog's immediate action (class).", [*ids, "xid", "class"])
+        for (gpu, xid, cls), n in sorted(health.xid_counts.items(),
+                                         key=lambda kv: (str(kv[0][0]), kv[0][1], kv[0][2])):
+            label = "unknown" if gpu is None else str(gpu)
+            xids.add_metric([label, uuids.get(gpu, "") if gpu is not None else "", str(xid), cls],
+                            n)
+        yield xids
+
+    # --- jobs -----------------------------------------------------------------------
+
+    def _jobs(self) -> Iterator[Metric]:
+        j = ["job"]
+        state = _gauge("trainwatch_job_state", "1 for the job's current state.", ["job", "state"])
+        attempts = _counter("trainwatch_job_attempts", "Attempts launched by this trainwatch.", j)
+        started = _gauge("trainwatch_job_attempt_start_time_seconds",
+                         "Unix time the current attempt started.", j)
+        step = _gauge("trainwatch_job_step", "Newest step the current attempt reached (its "
+                      "resume step until the first heartbeat).", j)
+        loss = _gauge("trainwatch_job_loss", "Last loss reported (lowest rank reporting one).", j)
+        grad = _gauge("trainwatch_job_grad_norm", "Last gradient norm reported.", j)
+        nranks = _gauge("trainwatch_job_ranks", "Ranks heard from in this attempt.", j)
+        gpus = _gauge("trainwatch_job_gpu", "1 for each GPU the current attempt was given.",
+                      ["job", "gpu"])
+        timeout = _gauge("trainwatch_job_heartbeat_timeout_seconds",
+                         "The hang detector's per-rank heartbeat timeout.", j)
+        age = _gauge("trainwatch_rank_heartbeat_age_seconds",
+                     "Seconds since the rank's last heartbeat (while starting or running).",
+                     ["job", "rank"])
+        rstep = _gauge("trainwatch_rank_step", "Step of the rank's last heartbeat.",
+                       ["job", "rank"])
+        goodput = _gauge("trainwatch_job_goodput_ratio",
+                         "1 - seconds lost to faults / seconds supervised.", j)
+        cp_step = _gauge("trainwatch_job_last_good_checkpoint_step",
+                         "Step of the newest complete, valid checkpoint.", j)
+        cp_time = _gauge("trainwatch_job_last_good_checkpoint_timestamp_seconds",
+                         "Modification time of the newest good checkpoint (Unix seconds).", j)
+        cps = _gauge("trainwatch_job_checkpoints", "Checkpoints on disk by verdict.",
+                     ["job", "state"])
+        received = _counter("trainwatch_heartbeat_datagrams",
+                            "Datagrams received on the job's heartbeat socket.", j)
+        dropped = _counter("trainwatch_heartbeat_dropped", "Datagrams dropped, by reason.",
+                           ["job", "reason"])
+        for r in self.sup.runners:
+            name = r.job.name
+            now = r.clock()
+            for st in JobState:
+                state.add_metric([name, st.value], 1 if r.state is st else 0)
+            attempts.add_metric([name], r.number + 1)
+            timeout.add_metric([name], r.job.heartbeat.timeout)
+            a = r.attempt
+            if a is not None:
+                started.add_metric([name], a.started_wall)
+                for g in a.gpus or ():
+                    gpus.add_metric([name, str(g)], 1)
+            if r.last_step is not None:
+                step.add_metric([name], r.last_step)
+            _last_values(r, name, loss, grad)
+            nranks.add_metric([name], len(r.ranks.ranks))
+            for rank, rv in sorted(r.ranks.ranks.items()):
+                rstep.add_metric([name, str(rank)], rv.step)
+                if r.state in _LIVE:
+                    age.add_metric([name, str(rank)], max(0.0, now - rv.last_beat))
+            ratio = r.goodput(now)
+            if ratio is not None:
+                goodput.add_metric([name], ratio)
+            cp = r.checkpoints
+            if cp.last_good is not None:
+                cp_step.add_metric([name], cp.last_good.step)
+                if cp.last_good_mtime is not None:
+                    cp_time.add_metric([name], cp.last_good_mtime)
+            for verdict, n in cp.counts.items():
+                cps.add_metric([name, verdict], n)
+            c = r.socket.counters
+            received.add_metric([name], c.received)
+            for reason in ("malformed", "oversized", "foreign"):
+                dropped.add_metric([name, reason], getattr(c, reason))
+        yield from (state, attempts, started, step, loss, grad, nranks, gpus, timeout, age,
+                    rstep, goodput, cp_step, cp_time, cps, received, dropped)
+
+
+def _last_values(r: JobRunner, name: str, loss: GaugeMetricFamily,
+                 grad: GaugeMetricFamily) -> None:
+    """The lowest rank's last loss and gradient norm (what rank 0 logs)."""
+    for attr, fam in (("loss", loss), ("grad_norm", grad)):
+        for _rank, rv in sorted(r.ranks.ranks.items()):
+            v = getattr(rv, attr)
+            if v is not None:
+                fam.add_metric([name], v)
+                break
+
+
+class Exporter:
+    """The registry and, once started, the HTTP server on ``address:port``."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.events = Events(self.registry)
+        self.registry.register(StateCollector(supervisor))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self._server: object | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, address: str, port: int) -> None:
+        """Raises OSError when the port cannot be bound."""
+        server, thread = start_http_server(port, address, self.registry)
+        self._server, self._thread = server, thread
+
+    def close(self) -> None:
+        server = self._server
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+            server.server_close()  # type: ignore[attr-defined]
+            self._server = None
