@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from trainwatch.detectors.gpu import HW_SLOWDOWN
 from trainwatch.gpuhealth import GpuHealth, GpuState
 from trainwatch.sources.gpusim import SimGpus
@@ -65,3 +67,23 @@ def test_an_excluded_gpu_returns_only_after_a_clean_recheck_period() -> None:
     h.xid(XidEvent(13, at=112.0, source="kmsg", gpu=1))
     assert h.passed_recheck(now=150.0, after=60.0) == []
     assert h.passed_recheck(now=173.0, after=60.0) == [1]
+
+
+def test_a_gpu_with_a_failed_row_remap_never_returns_by_itself() -> None:
+    """A failed remap does not heal with time: the GPU stays excluded until a person clears it."""
+    h = GpuHealth()
+    h.exclude(0, "xid 64", at=0.0)
+    failed = dataclasses.replace(SimGpus(1, clock=lambda: 10.0).poll()[0], remap_failure=True)
+    h.samples([failed])
+    assert h.passed_recheck(now=10_000.0, after=60.0) == []
+    assert h.state(0) is GpuState.EXCLUDED
+
+
+def test_xids_are_counted_by_gpu_xid_and_class_once_per_error() -> None:
+    """The exporter's Xid counter: duplicates across paths count once; unmapped GPUs as None."""
+    h = GpuHealth(dedup_window=10.0)
+    h.xid(XidEvent(79, at=1.0, source="nvml_event", gpu=1))
+    h.xid(XidEvent(79, at=1.5, source="kmsg", gpu=1))
+    h.xid(XidEvent(79, at=30.0, source="kmsg", gpu=1))
+    h.xid(XidEvent(13, at=2.0, source="kmsg", gpu=None))
+    assert h.xid_counts == {(1, 79, "restart_bm"): 2, (None, 13, "restart_app"): 1}

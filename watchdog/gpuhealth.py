@@ -58,7 +58,8 @@ class GpuHealth:
         faults: list[Fault] = []
         for s in samples:
             g = self._gpu(s.index)
-            if g.excluded is not None and (s.lost is not None or s.remap_pending):
+            if g.excluded is not None and (s.lost is not None or s.remap_pending
+                                           or s.remap_failure):
                 g.clean_since = s.at  # still unwell: the re-check starts over
         for s in samples:
             g = self._gpu(s.index)
@@ -118,6 +119,7 @@ class GpuHealth:
             i for i, g in self.gpus.items()
             if g.excluded is not None and g.clean_since is not None
             and g.last is not None and g.last.lost is None and not g.last.remap_pending
+            and not g.last.remap_failure  # a failed remap does not heal: it needs a person
             and now - g.clean_since >= after
         ]
 
