@@ -2,8 +2,8 @@
 
 How: runs ``bench_beat.py`` (headline first: beat() in a real job under
 ``trainwatch run``; then the isolated-reader figures), ``bench_recovery.py``,
-``bench_supervisor.py`` and ``bench_gpu.py`` one after another as subprocesses of this
-interpreter (so one cannot disturb the next), each writing its figures as
+``bench_supervisor.py``, ``bench_gpu.py`` and ``bench_metrics.py`` one after
+another as subprocesses of this interpreter (so one cannot disturb the next), each writing its figures as
 JSON to a temp file; their own output is shown as it comes, then one table:
 median, p99 (or max where there are fewer than 50 samples), the number of
 samples, the issue's goal and whether it is met. The machine (nproc, Python)
@@ -323,6 +323,17 @@ def gpu_rows(g: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def metrics_rows(m: dict[str, Any]) -> list[Row]:
+    setup = f"{m['gpus']} GPUs x {m['jobs']} jobs x {m['ranks']} ranks"
+    s = m["scrape_ms"]
+    return [
+        stat_row(f"/metrics scrape over HTTP [{setup}]", s, "ms", 2, "≤ 10 ms median",
+                 s["median"] <= 10.0),
+        (f"  series in that exposition [{setup}]", f"{m['series']}",
+         f"{m['series_trainwatch']} trainwatch_*", "-", "-", "-"),
+    ]
+
+
 def table(rows: list[Row]) -> str:
     head: Row = ("figure", "median", "p99 / max", "n", "goal", "met")
     all_rows = [head, *rows]
@@ -339,8 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument(
         "--only",
-        default="beat,recovery,supervisor,gpu",
-        help="comma-separated subset of beat, recovery, supervisor, gpu",
+        default="beat,recovery,supervisor,gpu,metrics",
+        help="comma-separated subset of beat, recovery, supervisor, gpu, metrics",
     )
     p.add_argument("--calls", type=int, default=20000, help="bench_beat: calls per variant")
     p.add_argument("--crashes", type=int, default=10, help="bench_recovery: SIGKILL drills")
@@ -398,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
             failed += [] if g else ["bench_gpu"]
             if g and g.get("problems"):
                 failed += [f"bench_gpu: {p}" for p in g["problems"]]
+        if "metrics" in only:
+            m = run_one("bench_metrics.py", [], d / "metrics.json")
+            rows += metrics_rows(m) if m else []
+            failed += [] if m else ["bench_metrics"]
     print(f"\n=== summary ({time.monotonic() - t0:.0f} s)")
     print(machine_line())
     print(table(rows))
