@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from trainwatch.config import from_mapping
 from trainwatch.demo import trainer
 from trainwatch.gpuwatch import GpuWatch
@@ -42,6 +44,8 @@ def _config(tmp: Path, seed: int) -> dict[str, Any]:
     return {
         "state_dir": str(tmp / "state"),
         "run_dir": str(tmp / "run"),
+        # No HTTP port (a busy 9445 must not fail the demo): the report reads the registry.
+        "metrics": {"port": 0},
         "jobs": [
             {
                 "name": JOB,
@@ -115,7 +119,25 @@ def _journal(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: bool) -> bool:
+def _metrics(registry: CollectorRegistry) -> None:
+    """What Prometheus would scrape now: the counters and gauges that tell the story."""
+    text = generate_latest(registry).decode()
+    wanted = ("trainwatch_job_faults_total", "trainwatch_job_restarts_total",
+              "trainwatch_job_steps_lost_total", "trainwatch_job_seconds_lost_total",
+              "trainwatch_job_goodput_ratio", "trainwatch_gpu_xid_errors_total",
+              "trainwatch_job_detection_seconds_count")
+    print("metrics (what /metrics serves, the non-zero series that tell this story):")
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            excluded = smp.name == "trainwatch_gpu_state" and smp.labels.get("state") == "excluded"
+            if (smp.name in wanted or excluded) and smp.value:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(smp.labels.items()))
+                print(f"  {smp.name}{{{labels}}} {smp.value:g}")
+    print()
+
+
+def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: bool,
+            registry: CollectorRegistry) -> bool:
     ledger = Ledger(tmp / "state", readonly=True)
     incidents = ledger.incidents(JOB)
     ledger.close()
@@ -178,6 +200,7 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
         print(f"  final parameters {done[-1]['digest']} {'==' if same else '!='} "
               f"an uninterrupted run's {ref_digest}")
     print()
+    _metrics(registry)
     print(f"demo {'passed' if ok else 'FAILED'} in {elapsed:.1f} s")
     if keep or not ok:
         print(f"ledger, logs and checkpoints: {tmp} "
@@ -203,7 +226,8 @@ def run_demo(seed: int = 7, keep: bool = False) -> int:
     finally:
         drill.finished.set()
         drill.join(timeout=1)
-    ok = _report(tmp, seed, drill, rc, time.monotonic() - start, keep)
+    ok = _report(tmp, seed, drill, rc, time.monotonic() - start, keep,
+                 supervisor.exporter.registry)
     if not keep and ok:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0 if ok else 1
