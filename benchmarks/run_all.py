@@ -4,8 +4,8 @@ How: runs ``bench_beat.py`` (headline first: beat() in a real job under
 ``trainwatch run``; then the isolated-reader figures), ``bench_recovery.py``,
 ``bench_supervisor.py``, ``bench_gpu.py`` and ``bench_metrics.py`` one after
 another as subprocesses of this interpreter (so one cannot disturb the next),
-each writing its figures as JSON to a temp file; their own output is shown as it comes, then one table:
-median, p99 (or max where there are fewer than 50 samples), the number of
+each writing its figures as JSON to a temp file; their own output is shown as
+it comes, then one table: median, p99 (or max where there are fewer than 50 samples), the number of
 samples, the issue's goal and whether it is met. The machine (nproc, Python)
 and the load average before and after are printed, with any other process
 that was busy at the start, because the figures are only as quiet as the
