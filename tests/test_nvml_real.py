@@ -5,6 +5,7 @@ other NVML failure on a GPU machine is a failure, not a skip."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,11 @@ def nvml() -> Iterator[Any]:
     try:
         pynvml.nvmlInit()
     except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded) as e:
-        pytest.skip(f"NVML is absent: {e}")
+        # The one thing no install step can provide is the GPU itself. A host that has
+        # an NVIDIA device node but no working NVML is broken, and fails even here.
+        if os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0"):
+            pytest.fail(f"an NVIDIA device is present but NVML is not usable: {e}")
+        pytest.skip(f"NVML is absent (no NVIDIA GPU on this host): {e}")
     try:
         yield pynvml
     finally:
