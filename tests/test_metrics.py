@@ -176,7 +176,7 @@ def test_garbage_datagrams_are_counted_as_dropped(ws: Workspace) -> None:
     s = _run(ws, {"command": ws.worker("--steps", "100000", "--interval", "0.05")})
     wait_for(lambda: s.get("trainwatch_job_ranks", job="job") == 1, what="a beat")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as c:
-        c.sendto(b"not json", str(Path(ws.root / "run" / "job.sock")))
+        c.sendto(b"not json", str(Path(ws.root / "run" / "jobs" / "job.sock")))
     # From outside the job's tree: foreign; as root (believed): malformed.
     wait_for(lambda: sum(s.get("trainwatch_heartbeat_dropped_total", job="job", reason=r) or 0
                          for r in ("foreign", "malformed")) == 1, what="the datagram counted")

@@ -679,7 +679,9 @@ def load(path: str | os.PathLike[str]) -> Config:
 
 
 def socket_path(run_dir: str, job: str) -> str:
-    return os.path.join(run_dir, f"{job}.sock")
+    """A job's heartbeat socket. In a folder of their own, so that no job's name
+    (``control``, say) can take the place of trainwatch's control socket."""
+    return os.path.join(run_dir, "jobs", f"{job}.sock")
 
 
 def with_job(config: Config, job: Job) -> Config:
