@@ -153,12 +153,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         state_dir = args.state_dir or (load(args.config).state_dir if args.config
                                        else default_dirs()[0])
         if args.cmd == "crash":
-            pid = drills.crash(state_dir, args.job, args.rank)
-            print(f"faultinject: SIGKILL sent to pid {pid} of job {args.job}")
+            done = drills.crash(state_dir, args.job, args.rank)
         else:
-            what = drills.hang(state_dir, args.job, args.rank, args.seconds)
-            tail = f", resumed after {args.seconds:g}s" if args.seconds is not None else ""
-            print(f"faultinject: SIGSTOP sent to {what} of job {args.job}{tail}")
+            done = drills.hang(state_dir, args.job, args.rank, args.seconds)
+        pids = " ".join(map(str, done.pids))
+        tail = f"; resumed (SIGCONT) after {args.seconds:g}s" \
+            if args.cmd == "hang" and args.seconds is not None else ""
+        print(f"faultinject: {done.signal} sent to {done.what} of job {args.job}: "
+              f"pids {pids}{tail}")
+        if done.not_told:
+            print(f"faultinject: trainwatch was not told, so the incident will not say "
+                  f"injected: {done.not_told}", file=sys.stderr)
     except (drills.DrillError, ConfigError) as e:
         print(f"faultinject: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,10 @@ import os
 import signal
 import stat
 import time
+from dataclasses import dataclass
 from typing import Any
+
+import psutil
 
 from trainwatch import control
 from trainwatch import status as jobstatus
@@ -56,42 +59,95 @@ def _kill(pid: int, sig: int) -> None:
         raise DrillError(f"process {pid}: not permitted (run as the job's user or root)") from None
 
 
-def crash(state_dir: str, job: str, rank: int | None = None) -> int:
-    """SIGKILL the job's leader (or one rank's process). Returns the pid killed."""
+def job_pids(s: dict[str, Any]) -> list[int]:
+    """Every live process of the job's current attempt: the members of its
+    cgroup when it has one, else its session and process group and every
+    descendant of its leader (torchrun's workers run in sessions of their own)."""
+    leader = int(s["pid"])
+    cg = s.get("cgroup")
+    if isinstance(cg, str) and cg:
+        try:
+            with open(os.path.join(cg, "cgroup.procs")) as f:
+                pids = sorted(int(x) for x in f.read().split())
+            if pids:
+                return pids
+        except (OSError, ValueError):
+            pass  # gone or unreadable: fall back to the process tree
+    found: set[int] = set()
+    for p in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            if os.getsid(p.pid) == leader or os.getpgid(p.pid) == leader:
+                found.add(p.pid)
+    with contextlib.suppress(psutil.Error):
+        found |= {c.pid for c in psutil.Process(leader).children(recursive=True)}
+        found.add(leader)
+    if not found:
+        raise DrillError(f"job {s['job']!r}: no live process found (leader pid {leader})")
+    return sorted(found)
+
+
+def notify(s: dict[str, Any], kind: str, pids: list[int]) -> str | None:
+    """Tell the supervising trainwatch that ``kind`` is about to be injected, so
+    that it records the fault as injected (and a crash's onset as now). Returns
+    why it could not, or None."""
+    run_dir = s.get("run_dir")
+    if not isinstance(run_dir, str):
+        return "the job's status names no run_dir"
+    try:
+        reply = control.request(run_dir, "drill", {"job": s["job"], "kind": kind,
+                                                   "pids": pids}, timeout=2.0)
+    except control.ControlError as e:
+        return str(e)
+    return None if reply.get("ok") else str(reply.get("error"))
+
+
+@dataclass
+class Done:
+    """What a crash or hang drill did: the signal, to which pids, and whether
+    trainwatch was told (else its incident will not say injected)."""
+
+    signal: str
+    pids: list[int]
+    what: str
+    not_told: str | None = None
+
+
+def crash(state_dir: str, job: str, rank: int | None = None) -> Done:
+    """SIGKILL the job's leader (or one rank's process)."""
     s = job_status(state_dir, job)
     pid = int(s["pid"]) if rank is None else _rank_pid(s, rank)
+    why = notify(s, "crash", [pid])
     _kill(pid, signal.SIGKILL)
-    return pid
+    what = f"the leader (pid {pid})" if rank is None else f"rank {rank} (pid {pid})"
+    return Done("SIGKILL", [pid], what, why)
 
 
-def hang(state_dir: str, job: str, rank: int | None = None, seconds: float | None = None) -> str:
-    """SIGSTOP one rank's process, or the job's whole process group; with
-    ``seconds``, SIGCONT it again after that long. Returns what was stopped."""
+def hang(state_dir: str, job: str, rank: int | None = None,
+         seconds: float | None = None) -> Done:
+    """SIGSTOP one rank's process, or every process of the job (every rank, the
+    launcher, their children); with ``seconds``, SIGCONT them again after that
+    long."""
     s = job_status(state_dir, job)
     if rank is None:
-        pgid = int(s["pgid"])
-        try:
-            os.killpg(pgid, signal.SIGSTOP)
-        except ProcessLookupError:
-            raise DrillError(f"process group {pgid} is gone") from None
-
-        def resume() -> None:
-            os.killpg(pgid, signal.SIGCONT)
-
-        what = f"process group {pgid}"
+        pids = job_pids(s)
+        what = f"every process of the job ({len(pids)})"
     else:
-        pid = _rank_pid(s, rank)
-        _kill(pid, signal.SIGSTOP)
-
-        def resume() -> None:
-            os.kill(pid, signal.SIGCONT)
-
-        what = f"rank {rank} (pid {pid})"
+        pids = [_rank_pid(s, rank)]
+        what = f"rank {rank} (pid {pids[0]})"
+    why = notify(s, "hang", pids)
+    stopped = []
+    for pid in pids:
+        with contextlib.suppress(DrillError):  # one that exited meanwhile is fine
+            _kill(pid, signal.SIGSTOP)
+            stopped.append(pid)
+    if not stopped:
+        raise DrillError(f"job {job!r}: every process was gone before it could be stopped")
     if seconds is not None:
         time.sleep(seconds)
-        with contextlib.suppress(ProcessLookupError):
-            resume()  # unless trainwatch already killed and relaunched it
-    return what
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)  # unless trainwatch already killed it
+    return Done("SIGSTOP", stopped, what, why)
 
 
 # --- GPU drills ---------------------------------------------------------------

@@ -100,6 +100,20 @@ class _Outage:
 
 
 @dataclass
+class _Drill:
+    """faultinject said it is about to crash or hang this job (the control op
+    ``drill``): the next such fault is marked injected, and a crash's onset is
+    the drill's time (the kernel does not say when a process died)."""
+
+    kind: str
+    at: float  # monotonic, when the notice arrived
+    pids: frozenset[int]
+
+
+_DRILL_VALID = 60.0  # seconds a drill notice waits for its fault
+
+
+@dataclass
 class _Stop:
     outcome: JobState
     reason: str
@@ -148,6 +162,7 @@ class JobRunner:
         self.stopping: _Stop | None = None
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
+        self.drill: _Drill | None = None
         self.published_step: int | None = None
         self.published_at = 0.0
         self.socket_path = socket_path(config.run_dir, job.name)
@@ -195,6 +210,8 @@ class JobRunner:
                 "ranks": {str(r): p for r, p in self.ranks.pids().items()},
                 "step": self.last_step,
                 "socket": self.socket_path,
+                "run_dir": self.config.run_dir,  # where faultinject finds the control socket
+                "cgroup": getattr(a.tree, "cgroup", None) if a else None,
                 "log": str(a.log_path) if a else None,
                 "resumed_from": a.resume_from if a else None,
                 "observe_only": self.config.observe_only,
@@ -261,6 +278,7 @@ class JobRunner:
         step_s = statistics.median(intervals) if intervals else 0.0
         self.ranks = Ranks(started=a.started)
         self.hang_latched = False
+        self.drill = None  # a notice for the attempt before is not this one's
         reached, self.last_step = self.last_step, cp.step if cp else None
         if a.pidfd is not None:
             self.sel.register(a.pidfd, selectors.EVENT_READ, self._on_exit_ready)
@@ -271,8 +289,10 @@ class JobRunner:
             where += f", GPUs {','.join(map(str, gpus))}"
         self._to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
         if self.pending_incident is not None:
-            # The faulted attempt reached `reached`; this one starts over at cp.
-            lost = None if reached is None else max(0, reached - (cp.step if cp else 0))
+            # The faulted attempt reached `reached`; this one starts over at cp. A job
+            # that has never beaten has told nothing of its steps: unknown, not 0.
+            lost = None if reached is None or not self.ever_beaten \
+                else max(0, reached - (cp.step if cp else 0))
             if self.outage is not None:
                 o, name = self.outage, self.job.name
                 self.events.restarts.labels(name, o.kind).inc()
@@ -384,6 +404,10 @@ class JobRunner:
         self._drain()  # its last beats, still queued, count towards the steps it reached
         at = a.exited_at if a.exited_at is not None else self.clock()
         fault = detect_crash(self.job.name, ProcessExit(a.pid, rc, at), self.last_step)
+        drill = self._take_drill("crash")
+        if fault is not None and drill is not None:
+            fault = dataclasses.replace(fault, onset=drill.at, onset_known=True,
+                                        evidence={**fault.evidence, "source": "drill"})
         if fault is None:
             self._begin_stop(JobState.EXITED, "the job finished (exit 0)")
         else:
@@ -413,6 +437,9 @@ class JobRunner:
                     # A beat may be queued while we poll: read it before judging.
                     fault = detect_hang(self.job.name, self._snapshot(now), self.job.heartbeat)
                 if fault is not None:
+                    if self._take_drill("hang") is not None:
+                        fault = dataclasses.replace(
+                            fault, evidence={**fault.evidence, "source": "drill"})
                     self._handle(fault)
         elif self.state is JobState.STOPPING:
             self._progress_stop(now)
@@ -447,6 +474,16 @@ class JobRunner:
 
     # --- faults --------------------------------------------------------------
 
+    def expect_drill(self, kind: str, pids: list[int]) -> None:
+        """faultinject is about to inject ``kind`` (crash or hang) into ``pids``."""
+        self.drill = _Drill(kind, self.clock(), frozenset(pids))
+
+    def _take_drill(self, kind: str) -> _Drill | None:
+        d, self.drill = self.drill, None
+        if d is None or d.kind != kind or self.clock() - d.at > _DRILL_VALID:
+            return None
+        return d
+
     def on_gpu_fault(self, fault: Fault) -> None:
         """A fault of one of this job's GPUs (routed here by the supervisor)."""
         fault = dataclasses.replace(fault, job=self.job.name, onset_step=self.last_step,
@@ -470,7 +507,8 @@ class JobRunner:
             self._exclude(fault)
             reason += f"; GPU {fault.gpu} excluded"
         self.events.faults.labels(self.job.name, fault.kind.value).inc()
-        self.ledger.incident(fault, action.value, reason, max(self.number, 0), 0.0,
+        latency = max(0.0, self.clock() - fault.onset) if fault.onset_known else None
+        self.ledger.incident(fault, action.value, reason, max(self.number, 0), latency,
                              observe_only=self.config.observe_only,
                              injected=fault.evidence.get("source") == "drill")
         log.warning("job %s: %s on GPU %s -> %s", self.job.name, fault.kind.value, fault.gpu,
@@ -540,9 +578,11 @@ class JobRunner:
             d = decide(self.policy, fault, self.history, now, now - a.started, self.rng, action)
             reason, delay, fatal = d.reason, d.delay, d.fatal
         self.events.faults.labels(self.job.name, fault.kind.value).inc()
-        self.events.detection.labels(self.job.name).observe(max(0.0, now - fault.onset))
+        latency = max(0.0, now - fault.onset) if fault.onset_known else None
+        if latency is not None:
+            self.events.detection.labels(self.job.name).observe(latency)
         incident = self.ledger.incident(
-            fault, action.value, reason, a.number, max(0.0, now - fault.onset),
+            fault, action.value, reason, a.number, latency,
             observe_only=self.config.observe_only, backoff=delay,
             injected=fault.evidence.get("source") == "drill",
         )

@@ -20,7 +20,7 @@ from types import FrameType
 from typing import Any
 
 import psutil
-from trainwatch import tree
+from trainwatch import ownership, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.control import ControlSocket
 from trainwatch.gpuwatch import GpuWatch
@@ -48,8 +48,26 @@ class Supervisor:
         self.clock = clock
         for j in jobs if jobs is not None else config.jobs:
             _check_command(j)
-        os.makedirs(config.state_dir, exist_ok=True)
-        os.makedirs(config.run_dir, mode=0o755, exist_ok=True)
+        # Root's folders must let each job's user reach its own socket and logs (the
+        # files inside are theirs alone); anyone else's are private to them.
+        mode = 0o755 if os.geteuid() == 0 else 0o700
+        try:
+            ownership.private_dir(config.state_dir, mode)
+            ownership.private_dir(config.run_dir, mode)
+        except ownership.UnsafeDir as e:
+            raise ConfigError(e.strerror or str(e)) from None
+        # Nothing trainwatch creates is readable by others unless it says so; the
+        # jobs get the umask trainwatch was started with.
+        self.job_umask = os.umask(0o077)
+        os.umask(self.job_umask | 0o077)
+        try:
+            self._open(config, jobs, passthrough, clock)
+        except BaseException:
+            os.umask(self.job_umask)
+            raise
+
+    def _open(self, config: Config, jobs: tuple[Job, ...] | None, passthrough: bool,
+              clock: Callable[[], float]) -> None:
         self.ledger = Ledger(config.state_dir)
         self.sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -90,6 +108,8 @@ class Supervisor:
                                   f"{e.strerror or e} (metrics.port, or --metrics-port; "
                                   "0 turns the exporter off)") from None
         self.stop_signal: int | None = None
+        self.loop_errors = 0  # exceptions in one job's handling, survived
+        self._failed_at: set[str] = set()
         self._next_reap = 0.0
         self._stop_sent = False
 
@@ -109,6 +129,8 @@ class Supervisor:
 
     def _on_control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """A drill from faultinject, handled exactly like the real fault."""
+        if op == "drill":  # a crash or hang faultinject is about to inject
+            return self._on_drill(args)
         if self.gpus is None:
             raise ValueError("GPU monitoring is off (gpu.backend: off)")
         gpu = args.get("gpu")
@@ -130,6 +152,19 @@ class Supervisor:
         else:
             raise ValueError(f"unknown op {op!r}")
         return {"injected": op, "gpu": gpu}
+
+    def _on_drill(self, args: dict[str, Any]) -> dict[str, Any]:
+        job, kind, pids = args.get("job"), args.get("kind"), args.get("pids", [])
+        if kind not in ("crash", "hang"):
+            raise ValueError(f"expected kind crash or hang, got {kind!r}")
+        if not isinstance(pids, list) or not all(
+                isinstance(p, int) and not isinstance(p, bool) for p in pids):
+            raise ValueError("expected pids as a list of integers")
+        for r in self.runners:
+            if r.job.name == job:
+                r.expect_drill(kind, pids)
+                return {"job": job, "kind": kind}
+        raise ValueError(f"no job named {job!r} here")
 
     def _reap_strays(self) -> None:
         """As a subreaper we inherit orphans that left the job's session; reap
@@ -157,6 +192,31 @@ class Supervisor:
                 if not r.done and r.uses_gpu(fault.gpu):
                     r.on_gpu_fault(fault)
 
+    def _guarded(self, fn: Callable[..., object], *args: object) -> None:
+        """One job's (or one source's) exception must not end the loop that
+        supervises the others: log it (the first traceback per place), count it."""
+        try:
+            fn(*args)
+        except Exception:
+            owner = getattr(fn, "__self__", None)
+            where = f"job {owner.job.name}" if isinstance(owner, JobRunner) else \
+                getattr(fn, "__qualname__", repr(fn))
+            self.loop_errors += 1
+            if where not in self._failed_at:
+                self._failed_at.add(where)
+                log.exception("%s: an error in its handling (counted; supervision goes on)",
+                              where)
+            else:
+                log.error("%s: another error in its handling (%d in all)", where,
+                          self.loop_errors)
+
+    def _next_wake(self, r: JobRunner, now: float) -> float:
+        try:
+            return r.next_wake(now)
+        except Exception:
+            self._guarded(r.next_wake, now)  # logged and counted there
+            return now + _MAX_SLEEP
+
     def _handler(self, signum: int, _frame: FrameType | None) -> None:
         self.request_stop(signum)
 
@@ -175,29 +235,29 @@ class Supervisor:
                 self.gpus.start()
                 self._route_gpu_faults()
             for r in self.runners:
-                r.start()
+                self._guarded(r.start)
             while not all(r.done for r in self.runners):
                 if self.stop_signal is not None and not self._stop_sent:
                     self._stop_sent = True
                     name = signal.Signals(self.stop_signal).name
                     for r in self.runners:
-                        r.stop(f"operator: {name}")
+                        self._guarded(r.stop, f"operator: {name}")
                 now = self.clock()
-                wake = min([now + _MAX_SLEEP, *(r.next_wake(now) for r in self.runners)])
+                wake = min([now + _MAX_SLEEP, *(self._next_wake(r, now) for r in self.runners)])
                 self.lock.release()  # the scrape's moment
                 try:
                     ready = self.sel.select(max(0.0, wake - now))
                 finally:
                     self.lock.acquire()
                 for key, _ in ready:
-                    key.data(key.fd)
-                self._route_gpu_faults()
+                    self._guarded(key.data, key.fd)
+                self._guarded(self._route_gpu_faults)
                 now = self.clock()
                 for r in self.runners:
-                    r.tick(now)
+                    self._guarded(r.tick, now)
                 if now >= self._next_reap:
                     self._next_reap = now + _REAP_EVERY
-                    self._reap_strays()
+                    self._guarded(self._reap_strays)
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
@@ -221,6 +281,7 @@ class Supervisor:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.ledger.close()
+        os.umask(self.job_umask)
 
 
 def _check_command(job: Job) -> None:

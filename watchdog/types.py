@@ -51,7 +51,17 @@ class FaultKind(str, enum.Enum):
     NAN_LOSS = "nan_loss"
     LOSS_SPIKE = "loss_spike"
     GRAD_NORM_OUTLIER = "grad_norm_outlier"
+    DIVERGENCE = "divergence"
+    OOM = "oom"
     LOG_PATTERN = "log_pattern"
+
+
+# Fault kinds some detector of this release raises. The config refuses an action
+# for any other kind: it would promise a response to a fault nothing ever reports.
+DETECTED_KINDS = frozenset(
+    {FaultKind.CRASH, FaultKind.HANG, FaultKind.GPU_XID, FaultKind.GPU_ECC,
+     FaultKind.GPU_LOST, FaultKind.GPU_THERMAL}
+)
 
 
 class Action(str, enum.Enum):
@@ -111,6 +121,7 @@ class RankView:
     rank: int
     last_beat: float  # monotonic
     step: int
+    beats: int  # beats received from it this attempt (one alone never decides a hang)
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,10 @@ class HeartbeatSnapshot:
     attempt_started: float
     ranks: tuple[RankView, ...]
     intervals_p99: float | None  # learned step interval, None until enough samples
+    # Ranks whose process is stopped ('T') or in uninterruptible sleep ('D'),
+    # filled in only when a hang is about to be reported: it names the hung
+    # rank among several that went quiet together.
+    stopped: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -181,6 +196,9 @@ class Fault:
     rank: int | None = None
     gpu: int | None = None
     onset_step: int | None = None
+    # False when nothing tells when the fault began (a crash: the kernel reports
+    # that a process died, not when): its detection latency is unknown, not 0.
+    onset_known: bool = True
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,9 @@ class _Drill(threading.Thread):
             try:
                 at = time.time()
                 if kind == "crash":
-                    what = f"SIGKILL to pid {drills.crash(self.state_dir, JOB)}"
+                    what = f"SIGKILL to {drills.crash(self.state_dir, JOB).what}"
                 elif kind == "hang":
-                    what = f"SIGSTOP to {drills.hang(self.state_dir, JOB, rank=0)}"
+                    what = f"SIGSTOP to {drills.hang(self.state_dir, JOB, rank=0).what}"
                 else:  # the path the control socket's gpu-xid drill takes
                     assert self.gpus is not None
                     self.gpus.inject_xid(XID_GPU, 79, "GPU has fallen off the bus.")

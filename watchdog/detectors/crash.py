@@ -22,4 +22,6 @@ def detect_crash(job: str, exit: ProcessExit, last_step: int | None) -> Fault | 
         evidence["exit_code"] = exit.returncode
     if last_step is not None:
         evidence["last_step"] = last_step
-    return Fault(FaultKind.CRASH, job, exit.at, evidence, onset_step=last_step)
+    # exit.at is when the exit was seen; when the process died is not known.
+    return Fault(FaultKind.CRASH, job, exit.at, evidence, onset_step=last_step,
+                 onset_known=False)

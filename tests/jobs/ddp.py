@@ -1,0 +1,62 @@
+"""A real DistributedDataParallel job for torchrun on gloo (CPU): a tiny
+linear model, a checkpoint every few steps, resume from TRAINWATCH_RESUME_FROM.
+With --beat each rank beats through the client; without it the job knows
+nothing of trainwatch, as most jobs do on day one."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from trainwatch import client
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--interval", type=float, default=0.05)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--ckpt-dir", required=True)
+    p.add_argument("--beat", action="store_true", help="beat through the trainwatch client")
+    a = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    start = 0
+    resume = client.resume_from()
+    if resume:
+        state = torch.load(resume, weights_only=True)
+        model.module.load_state_dict(state["model"])
+        start = int(state["step"])
+    hb = client.connect() if a.beat else client.NullHeartbeat()
+    for step in range(start + 1, a.steps + 1):
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        x = torch.randn(16, 8, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        hb.beat(step, loss=loss.item())
+        if step % a.ckpt_every == 0 and rank == 0:
+            path = Path(a.ckpt_dir) / f"step_{step}.pt"
+            tmp = path.with_suffix(".tmp")
+            torch.save({"model": model.module.state_dict(), "step": step}, tmp)
+            os.replace(tmp, path)
+            hb.checkpoint(step, path)
+        time.sleep(a.interval)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
