@@ -46,3 +46,21 @@ class Overlay:
                 changes["ecc_volatile_uncorrected"] = (s.ecc_volatile_uncorrected or 0) + extra
             out.append(dataclasses.replace(s, **changes) if changes else s)  # type: ignore[arg-type]
         return out
+
+
+# Seconds a drill notice waits for its fault.
+NOTICE_VALID = 60.0
+
+
+@dataclass(frozen=True)
+class DrillNotice:
+    """faultinject said it is about to crash or hang a job (the control op
+    ``drill``): the next such fault is marked injected, and a crash's onset is
+    the notice's time (the kernel does not say when a process died)."""
+
+    kind: str  # "crash" | "hang"
+    at: float  # monotonic, when the notice arrived
+    pids: frozenset[int]
+
+    def fits(self, kind: str, now: float) -> bool:
+        return self.kind == kind and now - self.at <= NOTICE_VALID

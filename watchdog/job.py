@@ -16,26 +16,24 @@ job's processes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import os
 import random
 import selectors
 import signal
 import statistics
-import subprocess
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainwatch import status
+import psutil
+from trainwatch import hook, status
 from trainwatch.attempt import Attempt
 from trainwatch.catalog import Catalog, Entry, Summary
 from trainwatch.config import Config, Job, socket_path
 from trainwatch.detectors.crash import detect_crash
 from trainwatch.detectors.hang import detect_hang, next_deadline
+from trainwatch.drill import DrillNotice
 from trainwatch.gpuwatch import GpuWatch
 from trainwatch.ledger import Ledger, Relaunch
 from trainwatch.metrics import Events
@@ -49,6 +47,7 @@ from trainwatch.types import (
     CheckpointReport,
     Fault,
     FaultKind,
+    HeartbeatSnapshot,
     JobState,
     ProcessExit,
 )
@@ -100,20 +99,6 @@ class _Outage:
 
 
 @dataclass
-class _Drill:
-    """faultinject said it is about to crash or hang this job (the control op
-    ``drill``): the next such fault is marked injected, and a crash's onset is
-    the drill's time (the kernel does not say when a process died)."""
-
-    kind: str
-    at: float  # monotonic, when the notice arrived
-    pids: frozenset[int]
-
-
-_DRILL_VALID = 60.0  # seconds a drill notice waits for its fault
-
-
-@dataclass
 class _Stop:
     outcome: JobState
     reason: str
@@ -162,7 +147,7 @@ class JobRunner:
         self.stopping: _Stop | None = None
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
-        self.drill: _Drill | None = None
+        self.drill: DrillNotice | None = None
         self.published_step: int | None = None
         self.published_at = 0.0
         self.socket_path = socket_path(config.run_dir, job.name)
@@ -245,6 +230,12 @@ class JobRunner:
     def _launch(self, reason: str) -> None:
         cp: Entry | None = self.catalog.last_good()
         gpus = self.gpus()
+        if gpus is None and any("{num_gpus}" in x for x in self.job.command):
+            why = ("the command uses {num_gpus}, but trainwatch sees no GPUs here (NVML is "
+                   "absent or gpu.backend is off): write the number itself")
+            log.error("job %s: %s", self.job.name, why)
+            self._to(JobState.FATAL, why)
+            return
         if gpus is not None and len(gpus) < self.job.gpus.min:
             why = f"{len(gpus)} healthy GPUs, the job needs at least {self.job.gpus.min}"
             self._run_exec_hook("insufficient_gpus", None)
@@ -433,9 +424,13 @@ class JobRunner:
                 self._to(JobState.RUNNING, f"up {_RUNNING_WITHOUT_BEATS:g}s without heartbeats")
             if not self.hang_latched:
                 fault = detect_hang(self.job.name, self._snapshot(now), self.job.heartbeat)
-                if fault is not None and self._drain():
-                    # A beat may be queued while we poll: read it before judging.
-                    fault = detect_hang(self.job.name, self._snapshot(now), self.job.heartbeat)
+                if fault is not None:
+                    # A beat may be queued while we poll: read it before judging; and
+                    # which ranks' processes are stopped names the hung one among
+                    # ranks that went quiet together (DDP's wait in the collective).
+                    self._drain()
+                    snap = dataclasses.replace(self._snapshot(now), stopped=self._stopped())
+                    fault = detect_hang(self.job.name, snap, self.job.heartbeat)
                 if fault is not None:
                     if self._take_drill("hang") is not None:
                         fault = dataclasses.replace(
@@ -468,7 +463,20 @@ class JobRunner:
                 wake = min(wake, d)
         return wake
 
-    def _snapshot(self, now: float):  # type: ignore[no-untyped-def]
+    def _stopped(self) -> frozenset[int]:
+        """Ranks whose process is stopped (T) or in uninterruptible sleep (D)."""
+        out = set()
+        for rank, pid in self.ranks.pids().items():
+            try:
+                st = psutil.Process(pid).status()
+            except psutil.Error:
+                continue
+            if st in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP,
+                      psutil.STATUS_DISK_SLEEP):
+                out.add(rank)
+        return frozenset(out)
+
+    def _snapshot(self, now: float) -> HeartbeatSnapshot:
         learned = self.job.heartbeat.learned
         return self.ranks.snapshot(now, learned.min_samples if learned else 1 << 30)
 
@@ -476,13 +484,11 @@ class JobRunner:
 
     def expect_drill(self, kind: str, pids: list[int]) -> None:
         """faultinject is about to inject ``kind`` (crash or hang) into ``pids``."""
-        self.drill = _Drill(kind, self.clock(), frozenset(pids))
+        self.drill = DrillNotice(kind, self.clock(), frozenset(pids))
 
-    def _take_drill(self, kind: str) -> _Drill | None:
+    def _take_drill(self, kind: str) -> DrillNotice | None:
         d, self.drill = self.drill, None
-        if d is None or d.kind != kind or self.clock() - d.at > _DRILL_VALID:
-            return None
-        return d
+        return d if d is not None and d.fits(kind, self.clock()) else None
 
     def on_gpu_fault(self, fault: Fault) -> None:
         """A fault of one of this job's GPUs (routed here by the supervisor)."""
@@ -539,24 +545,7 @@ class JobRunner:
                                   f" (job {self.job.name})".replace("  ", " "))
 
     def _run_exec_hook(self, kind: str, gpu: int | None) -> None:
-        cmd = self.policy.exec
-        if not cmd:
-            return
-        fill = {"{job}": self.job.name, "{gpu}": "" if gpu is None else str(gpu), "{kind}": kind}
-        argv = [functools.reduce(lambda s, kv: s.replace(*kv), fill.items(), a) for a in cmd]
-        try:
-            # No TRAINWATCH_JOB: the tree scan would take the hook for one of the job's
-            # processes and kill it with the job.
-            env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINWATCH_")}
-            env.update(TRAINWATCH_HOOK_JOB=self.job.name, TRAINWATCH_HOOK_FAULT=kind,
-                       TRAINWATCH_HOOK_GPU=fill["{gpu}"])
-            p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
-        except OSError as e:
-            log.error("job %s: exec hook %s: %s", self.job.name, argv[0], e.strerror or e)
-            return
-        log.warning("job %s: exec hook started: %s (pid %d)", self.job.name, " ".join(argv),
-                    p.pid)
-        threading.Thread(target=p.wait, name="trainwatch-exec", daemon=True).start()
+        hook.run(self.policy.exec, self.job.name, kind, gpu)
 
     def _handle(self, fault: Fault, action: Action | None = None) -> None:
         a = self.attempt
