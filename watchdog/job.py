@@ -196,7 +196,7 @@ class JobRunner:
                 "step": self.last_step,
                 "socket": self.socket_path,
                 "run_dir": self.config.run_dir,  # where faultinject finds the control socket
-                "cgroup": getattr(a.tree, "cgroup", None) if a else None,
+                "cgroup": a.tree.cgroup.path if a and a.tree.cgroup else None,
                 "log": str(a.log_path) if a else None,
                 "resumed_from": a.resume_from if a else None,
                 "observe_only": self.config.observe_only,

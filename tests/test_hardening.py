@@ -1,0 +1,158 @@
+"""Adversarial cases of the supervisor itself (issue items 3, 6 and 15): a
+run_dir another user prepared is refused, one job's failure in handling does
+not end the loop that supervises the others, and a job named ``control`` does
+not take the control socket's place. The other items have files of their own:
+test_hardening_heartbeat.py (1, 6, 7), test_hardening_process.py (2, 4, 5, 9,
+10, 11, 13), test_hardening_io.py (4, 12, 13, 14), test_config_hardening.py (8)."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from trainwatch.config import from_mapping
+from trainwatch.job import JobRunner
+from trainwatch.supervisor import Supervisor
+from trainwatch.types import JobState
+
+from conftest import Workspace, missing, wait_for
+
+VICTIM = "twvictim"
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A folder under /tmp that another user can traverse (pytest's tmp_path is root's 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="twv", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _user(name: str) -> pwd.struct_passwd:
+    """A local user for the test (created when we may: root, as in CI)."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pass
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        missing(f"user {name} does not exist and cannot be created (needs root and useradd)")
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                    name], check=True, capture_output=True)
+    return pwd.getpwnam(name)
+
+
+def _as(uid: int, gid: int, *argv: str, env: dict[str, str] | None = None,
+        ) -> subprocess.CompletedProcess[str]:
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        missing("acting as another user needs root and setpriv")
+    return subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+                           *argv], capture_output=True, text=True, timeout=60, env=env,
+                          check=False)
+
+
+def test_default_run_dir_prepared_by_another_user_is_refused(open_tmp: Path) -> None:
+    """Item 3: uid 65534 pre-creates the victim's /tmp/trainwatch-<uid>/trainwatch; the victim's
+    trainwatch refuses it in one line, exit 2, and binds nothing there."""
+    victim = _user(VICTIM)
+    base = Path(f"/tmp/trainwatch-{victim.pw_uid}")
+    shutil.rmtree(base, ignore_errors=True)
+    try:
+        r = _as(65534, 65534, "mkdir", "-m", "0777", "-p", str(base / "trainwatch"))
+        assert r.returncode == 0, r.stderr
+        state = open_tmp / "state"
+        state.mkdir()
+        os.chown(state, victim.pw_uid, victim.pw_gid)
+        env = {"PATH": os.environ["PATH"], "HOME": str(open_tmp)}
+        r = _as(victim.pw_uid, victim.pw_gid, sys.executable, "-m", "trainwatch.cli", "run",
+                "--name", "j", "--state-dir", str(state), "--metrics-port", "0", "--",
+                "/bin/true", env=env)
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert str(base) in r.stderr and "Traceback" not in r.stderr
+        assert not list((base / "trainwatch").iterdir())  # nothing bound in their folder
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_own_default_run_dir_is_created_private(open_tmp: Path) -> None:
+    """Item 3: a run_dir trainwatch creates for a user is 0700, owned by that user."""
+    victim = _user(VICTIM)
+    base = Path(f"/tmp/trainwatch-{victim.pw_uid}")
+    shutil.rmtree(base, ignore_errors=True)
+    try:
+        state = open_tmp / "state"
+        env = {"PATH": os.environ["PATH"], "HOME": str(open_tmp)}
+        os.chown(open_tmp, victim.pw_uid, victim.pw_gid)
+        r = _as(victim.pw_uid, victim.pw_gid, sys.executable, "-m", "trainwatch.cli", "run",
+                "--name", "j", "--state-dir", str(state), "--metrics-port", "0", "-q", "--",
+                "/bin/true", env=env)
+        assert r.returncode == 0, r.stderr
+        for d in (base / "trainwatch", state):
+            st = d.stat()
+            assert (st.st_uid, st.st_mode & 0o777) == (victim.pw_uid, 0o700), d
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_state_dir_writable_by_others_is_refused(ws: Workspace) -> None:
+    """Item 3: a world-writable state_dir (without the sticky bit) is refused in one line."""
+    ws.state.mkdir()
+    ws.state.chmod(0o777)
+    rc = subprocess.run([sys.executable, "-m", "trainwatch.cli", "run", "--config",
+                         str(ws.config({"command": ["/bin/true"]}))],
+                        capture_output=True, text=True, timeout=30, check=False)
+    assert rc.returncode == 2
+    assert "writable by every user" in rc.stderr and len(rc.stderr.splitlines()) == 1
+
+
+def test_one_jobs_failing_handling_does_not_stop_the_others(
+        ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 6: an exception in one job's handling is logged and counted; the loop goes on
+    supervising the other job to its end, and then the failing one too."""
+    doc = {"state_dir": str(ws.state), "run_dir": str(ws.root / "run"), "metrics": {"port": 0},
+           "gpu": {"backend": "off"},
+           "jobs": [{"name": "bad", "command": ws.worker("--steps", "30")},
+                    {"name": "good", "command": ws.worker("--steps", "30")}]}
+    sup = Supervisor(from_mapping(doc))
+    real_tick = JobRunner.tick
+    failures = {"n": 0}
+
+    def tick(self: JobRunner, now: float) -> None:
+        if self.job.name == "bad" and failures["n"] < 20:
+            failures["n"] += 1
+            raise RuntimeError("a bug in one job's handling")
+        real_tick(self, now)
+
+    monkeypatch.setattr(JobRunner, "tick", tick)
+    assert sup.run(install_signals=False) == 0
+    assert {r.job.name: r.state for r in sup.runners} == {"bad": JobState.EXITED,
+                                                          "good": JobState.EXITED}
+    assert sup.loop_errors == 20
+
+
+def test_job_named_control_leaves_the_control_socket_to_trainwatch(ws: Workspace) -> None:
+    """Item 15: a job named `control` beats on its own socket and GPU drills still reach
+    trainwatch over control.sock."""
+    cfg = ws.config({"name": "control", "command": ws.worker("--steps", "100000",
+                                                             "--interval", "0.05")},
+                    gpu={"backend": "sim", "count": 2})
+    p = ws.run(cfg)
+    wait_for(lambda: (ws.state / "jobs" / "control" / "status.json").exists()
+             and '"running"' in (ws.state / "jobs" / "control" / "status.json").read_text(),
+             what="job control running")
+    r = subprocess.run([sys.executable, "-m", "faultinject.cli", "gpu-xid", "--gpu", "1",
+                        "--xid", "63", "--run-dir", str(ws.root / "run")],
+                       capture_output=True, text=True, timeout=30, check=False)
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: any(i["kind"] == "gpu_xid" for i in ws.incidents()), what="the Xid")
+    assert p.poll() is None
