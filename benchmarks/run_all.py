@@ -350,8 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument(
         "--only",
-        default="beat,recovery,supervisor,gpu,metrics",
-        help="comma-separated subset of beat, recovery, supervisor, gpu, metrics",
+        default="beat,recovery,supervisor,gpu,metrics,flood",
+        help="comma-separated subset of beat, recovery, supervisor, gpu, metrics, flood",
     )
     p.add_argument("--calls", type=int, default=20000, help="bench_beat: calls per variant")
     p.add_argument("--crashes", type=int, default=10, help="bench_recovery: SIGKILL drills")
@@ -413,6 +413,11 @@ def main(argv: list[str] | None = None) -> int:
             m = run_one("bench_metrics.py", [], d / "metrics.json")
             rows += metrics_rows(m) if m else []
             failed += [] if m else ["bench_metrics"]
+        if "flood" in only:
+            # Its own table (trainwatch CPU and beats lost per 100,000 datagrams per sender).
+            print("\n=== bench_flood.py", flush=True)
+            if subprocess.call([sys.executable, str(HERE / "bench_flood.py"), "--runs", "3"]):
+                failed.append("bench_flood")
     print(f"\n=== summary ({time.monotonic() - t0:.0f} s)")
     print(machine_line())
     print(table(rows))

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-
 from trainwatch import control
 from trainwatch import status as jobstatus
 from trainwatch.sources.kmsg import normalise_pci, parse_line

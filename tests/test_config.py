@@ -18,17 +18,17 @@ from trainwatch.config import (
     load,
     parse_duration,
 )
-from trainwatch.types import Action, FaultKind
+from trainwatch.types import DETECTED_KINDS, Action, FaultKind
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "trainwatch.yaml"
 JOB = "jobs: [{name: train, command: [python, train.py]}]\n"
 NAME_RULE = "a name of letters, digits, '_', '.', '-' (at most 63)"
 COMMAND_RULE = "a non-empty list of strings (the command and its arguments)"
-DURATION_RULE = "a duration such as 30s, 5m or 24h"
+DURATION_RULE = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"
 TOP_KEYS = "gpu, jobs, metrics, observe_only, policies, run_dir, state_dir"
-FAULT_KINDS = ", ".join(sorted(k.value for k in FaultKind))
+DETECTED = ", ".join(sorted(k.value for k in DETECTED_KINDS))
 ALL_ACTIONS = "alert, restart, rollback, restart_exclude_gpu, exec, stop"
-LONG_RUN_DIR = "/" + "r" * 100  # 101 bytes; /train.sock makes it 112 > 107
+LONG_RUN_DIR = "/" + "r" * 100  # 101 bytes; /jobs/train.sock makes it 117 > 107
 
 
 def _job(**fields: str) -> str:
@@ -86,7 +86,7 @@ BAD: list[object] = [
     ),
     pytest.param(
         "jobs: [{name: train}]\n",
-        f"<file>: jobs[0].command: expected {COMMAND_RULE}, got nothing",
+        f"<file>: jobs.train.command: expected {COMMAND_RULE}, got nothing",
         id="job-missing-command",
     ),
     pytest.param(
@@ -111,18 +111,18 @@ BAD: list[object] = [
     ),
     pytest.param(
         _job().replace("[python, train.py]", "python train.py"),
-        f"<file>: jobs[0].command: expected {COMMAND_RULE}, got 'python train.py'",
+        f"<file>: jobs.train.command: expected {COMMAND_RULE}, got 'python train.py'",
         id="command-not-a-list",
     ),
     pytest.param(
         _job().replace("[python, train.py]", "[]"),
-        f"<file>: jobs[0].command: expected {COMMAND_RULE}, got []",
+        f"<file>: jobs.train.command: expected {COMMAND_RULE}, got []",
         id="command-empty",
     ),
     pytest.param(
-        _job().replace("[python, train.py]", "[python, 3]"),
-        f"<file>: jobs[0].command: expected {COMMAND_RULE}, got ['python', 3]",
-        id="command-with-a-number",
+        _job().replace("[python, train.py]", "[python, {a: 1}]"),
+        "<file>: jobs.train.command[1]: expected a string or a number, got {'a': 1}",
+        id="command-with-a-mapping",
     ),
     pytest.param(
         "jobs: [{name: train, command: [a]}, {name: train, command: [b]}]\n",
@@ -131,32 +131,32 @@ BAD: list[object] = [
     ),
     pytest.param(
         _job(heartbeat="{timeout: 5 minutes}"),
-        f"<file>: jobs[0].heartbeat.timeout: expected {DURATION_RULE}, got '5 minutes'",
+        f"<file>: jobs.train.heartbeat.timeout: expected {DURATION_RULE}, got '5 minutes'",
         id="duration-in-words",
     ),
     pytest.param(
         _job(heartbeat="{timeout: -3}"),
-        f"<file>: jobs[0].heartbeat.timeout: expected {DURATION_RULE}, got -3",
+        f"<file>: jobs.train.heartbeat.timeout: expected {DURATION_RULE}, got -3",
         id="duration-negative",
     ),
     pytest.param(
         _job(heartbeat="{timeout: true}"),
-        f"<file>: jobs[0].heartbeat.timeout: expected {DURATION_RULE}, got True",
+        f"<file>: jobs.train.heartbeat.timeout: expected {DURATION_RULE}, got True",
         id="duration-boolean",
     ),
     pytest.param(
         _job(heartbeat="{timeout: 0}"),
-        f"<file>: jobs[0].heartbeat.timeout: expected {DURATION_RULE}, got 0",
+        f"<file>: jobs.train.heartbeat.timeout: expected {DURATION_RULE}, got 0",
         id="duration-zero",
     ),
     pytest.param(
         _job(heartbeat="{timeout: .nan}"),
-        f"<file>: jobs[0].heartbeat.timeout: expected {DURATION_RULE}, got nan",
+        f"<file>: jobs.train.heartbeat.timeout: expected {DURATION_RULE}, got nan",
         id="duration-nan",
     ),
     pytest.param(
         _job(heartbeat="{timeout: null}"),
-        f"<file>: jobs[0].heartbeat.timeout: expected {DURATION_RULE}, got None",
+        f"<file>: jobs.train.heartbeat.timeout: expected {DURATION_RULE}, got None",
         id="timeout-null",
     ),
     pytest.param(
@@ -166,7 +166,7 @@ BAD: list[object] = [
     ),
     pytest.param(
         _job(policy="fast"),
-        "<file>: jobs[0].policy: expected a policy defined under policies (default), got 'fast'",
+        "<file>: jobs.train.policy: expected a policy defined under policies (default), got 'fast'",
         id="unknown-policy-referenced",
     ),
     pytest.param(
@@ -176,8 +176,8 @@ BAD: list[object] = [
         id="unknown-policy-key",
     ),
     pytest.param(
-        JOB + "policies: {default: {actions: {oom: restart}}}\n",
-        f"<file>: policies.default.actions.oom: expected one of {FAULT_KINDS}, got an unknown key",
+        JOB + "policies: {default: {actions: {ooom: restart}}}\n",
+        f"<file>: policies.default.actions.ooom: expected one of {DETECTED}, got an unknown key",
         id="unknown-fault-kind",
     ),
     pytest.param(
@@ -186,8 +186,8 @@ BAD: list[object] = [
         id="unknown-action",
     ),
     pytest.param(
-        JOB + "policies: {default: {actions: {nan_loss: rollback}}}\n",
-        "<file>: policies.default.actions.nan_loss: expected an action this version"
+        JOB + "policies: {default: {actions: {crash: rollback}}}\n",
+        "<file>: policies.default.actions.crash: expected an action this version"
         " carries out (alert, exec, restart, restart_exclude_gpu, stop), got 'rollback'",
         id="action-rollback-not-implemented",
     ),
@@ -199,7 +199,7 @@ BAD: list[object] = [
     ),
     pytest.param(
         "jobs: [{name: j, command: [t], gpus: {devices: [0, 1], min: 3}}]\n",
-        "<file>: jobs[0].gpus.min: expected at most the 2 devices listed, got 3",
+        "<file>: jobs.j.gpus.min: expected at most the 2 devices listed, got 3",
         id="gpus-min-above-devices",
     ),
     pytest.param(
@@ -230,7 +230,7 @@ BAD: list[object] = [
     ),
     pytest.param(
         JOB + "policies: {default: {backoff: {factor: 0.5}}}\n",
-        "<file>: policies.default.backoff.factor: expected a number >= 1, got 0.5",
+        "<file>: policies.default.backoff.factor: expected a number from 1 to 1000, got 0.5",
         id="factor-below-one",
     ),
     pytest.param(
@@ -255,42 +255,42 @@ BAD: list[object] = [
     ),
     pytest.param(
         _job(checkpoints="{pattern: latest.pt}"),
-        "<file>: jobs[0].checkpoints.pattern: expected a file name pattern with one"
+        "<file>: jobs.train.checkpoints.pattern: expected a file name pattern with one"
         " {step} and no '/', got 'latest.pt'",
         id="pattern-without-step",
     ),
     pytest.param(
         _job(checkpoints="{pattern: 'ckpt/step_{step}'}"),
-        "<file>: jobs[0].checkpoints.pattern: expected a file name pattern with one"
+        "<file>: jobs.train.checkpoints.pattern: expected a file name pattern with one"
         " {step} and no '/', got 'ckpt/step_{step}'",
         id="pattern-with-slash",
     ),
     pytest.param(
         _job(checkpoints="{layout: megatron}"),
-        "<file>: jobs[0].checkpoints.layout: expected generic, got 'megatron'",
+        "<file>: jobs.train.checkpoints.layout: expected generic, got 'megatron'",
         id="checkpoint-layout-unknown",
     ),
     pytest.param(
         _job(resume_args="[--resume-from]"),
-        "<file>: jobs[0].resume_args: expected an argument containing {checkpoint},"
+        "<file>: jobs.train.resume_args: expected an argument containing {checkpoint},"
         " got ['--resume-from']",
         id="resume-args-without-checkpoint",
     ),
     pytest.param(
         _job(env="{NCCL_DEBUG: {level: WARN}}"),
-        "<file>: jobs[0].env.NCCL_DEBUG: expected a string, number or true/false,"
+        "<file>: jobs.train.env.NCCL_DEBUG: expected a string, number or true/false,"
         " got {'level': 'WARN'}",
         id="env-nested-value",
     ),
     pytest.param(
         _job(env="{'A=B': 1}"),
-        "<file>: jobs[0].env: expected variable names without '=', got 'A=B'",
+        "<file>: jobs.train.env: expected variable names without '=' or NUL bytes, got 'A=B'",
         id="env-name-with-equals",
     ),
     pytest.param(
         _job(heartbeat="{interval: 5s}"),
-        "<file>: jobs[0].heartbeat.interval: expected one of learned, startup_timeout,"
-        " timeout, got an unknown key",
+        "<file>: jobs.train.heartbeat.interval: expected one of learned, ranks, required,"
+        " startup_timeout, timeout, got an unknown key",
         id="unknown-heartbeat-key",
     ),
     pytest.param(
@@ -321,8 +321,8 @@ BAD: list[object] = [
     pytest.param(None, "<file>: cannot read: No such file or directory", id="missing-file"),
     pytest.param(
         f"run_dir: {LONG_RUN_DIR}\n" + JOB,
-        f"<file>: run_dir: expected a path of at most {MAX_SOCKET_PATH - 11} bytes, so"
-        f" that jobs[0]'s socket train.sock fits an AF_UNIX address ({MAX_SOCKET_PATH}"
+        f"<file>: run_dir: expected a path of at most {MAX_SOCKET_PATH - 16} bytes, so"
+        f" that job train's socket jobs/train.sock fits an AF_UNIX address ({MAX_SOCKET_PATH}"
         f" bytes), got 101 bytes: '{LONG_RUN_DIR}'",
         id="run-dir-too-long-for-socket",
     ),
@@ -356,7 +356,7 @@ def test_relative_run_dir_is_measured_once_resolved(tmp_path: Path) -> None:
     rel = "r" * 90
     path = _write(tmp_path, f"run_dir: {rel}\n" + JOB)
     resolved = str(tmp_path.resolve() / rel)
-    assert len(resolved) + len("/train.sock") > MAX_SOCKET_PATH  # the premise
+    assert len(resolved) + len("/jobs/train.sock") > MAX_SOCKET_PATH  # the premise
     with pytest.raises(ConfigError) as caught:
         load(path)
     assert str(caught.value).startswith(f"{path}: run_dir: expected a path of at most ")
@@ -392,7 +392,10 @@ def test_minimal_job_gets_documented_defaults(tmp_path: Path) -> None:
     assert policy.action_for(FaultKind.CRASH) is Action.RESTART
     assert policy.action_for(FaultKind.HANG) is Action.RESTART
     assert policy.action_for(FaultKind.NAN_LOSS) is Action.ALERT
-    assert (config.metrics.address, config.metrics.port) == ("0.0.0.0", 9445)
+    assert (config.metrics.address, config.metrics.port) == ("127.0.0.1", 9445)
+    assert (job.heartbeat.required, job.heartbeat.ranks, job.heartbeat.max_ranks) == (
+        False, None, 1024)
+    assert job.group is None
     assert config.gpu.backend == "auto"
     assert config.observe_only is False
 
@@ -475,8 +478,8 @@ def test_example_config_loads_with_its_documented_values() -> None:
     assert "{checkpoint}" in " ".join(job.resume_args)
     policy = config.policy_for(job)
     assert policy.action_for(FaultKind.CRASH) is Action.RESTART
-    # every fault kind is shown; gpu_xid only in a comment, so each Xid's class decides
-    assert set(policy.actions) == set(FaultKind) - {FaultKind.GPU_XID}
+    # every detected kind is shown; gpu_xid only in a comment, so each Xid's class decides
+    assert set(policy.actions) == DETECTED_KINDS - {FaultKind.GPU_XID}
     assert set(policy.actions.values()) <= {Action.ALERT, Action.RESTART, Action.STOP,
                                              Action.RESTART_EXCLUDE_GPU}
     assert policy.xid_actions[63] is Action.ALERT and job.gpus.min == 6
@@ -499,6 +502,7 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
         "command",
         "workdir",
         "user",
+        "group",
         "env",
         "resume_args",
         "checkpoints",
@@ -510,6 +514,8 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
         "bad_after",
         "heartbeat",
         "timeout",
+        "required",
+        "ranks",
         "startup_timeout",
         "learned",
         "factor",

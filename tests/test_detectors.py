@@ -48,16 +48,22 @@ def test_nonzero_exit_is_a_crash_with_evidence(
 
 def _snap(
     now: float,
-    ranks: tuple[tuple[int, float, int], ...] = (),
+    ranks: tuple[tuple[int, float, int] | tuple[int, float, int, int], ...] = (),
     p99: float | None = None,
     started: float = 1000.0,
+    stopped: frozenset[int] = frozenset(),
 ) -> HeartbeatSnapshot:
-    views = tuple(RankView(rank=r, last_beat=t, step=s) for r, t, s in ranks)
-    return HeartbeatSnapshot(now=now, attempt_started=started, ranks=views, intervals_p99=p99)
+    """Ranks as (rank, last_beat, step[, beats]); a rank has beaten twice unless told."""
+    views = tuple(
+        RankView(rank=r[0], last_beat=r[1], step=r[2], beats=r[3] if len(r) == 4 else 2)
+        for r in ranks
+    )
+    return HeartbeatSnapshot(now=now, attempt_started=started, ranks=views, intervals_p99=p99,
+                             stopped=stopped)
 
 
 HB = Heartbeat(timeout=300.0)
-HB_STARTUP = Heartbeat(timeout=300.0, startup_timeout=1800.0)
+HB_STARTUP = Heartbeat(timeout=300.0, startup_timeout=1800.0, required=True)
 HB_LEARNED = Heartbeat(timeout=300.0, learned=Learned(factor=5.0, floor=60.0, min_samples=20))
 
 
@@ -186,3 +192,92 @@ def test_next_deadline_is_when_hang_could_fire(
         )
         assert detect_hang(JOB, at, hb) is not None
         assert detect_hang(JOB, before, hb) is None
+
+
+# --- hang: single-beat ranks and which rank is named ---------------------------
+
+
+@pytest.mark.parametrize(
+    ("ranks", "now", "fires"),
+    [
+        # A forged rank that beat once long ago, beside a rank still beating: no hang.
+        (((0, 1390.0, 50, 40), (7, 1000.0, 1, 1)), 1400.0, False),
+        (((0, 1390.0, 50, 40), (7, 1000.0, 1, 1)), 1689.0, False),
+        # ... until the real rank goes quiet too.
+        (((0, 1390.0, 50, 40), (7, 1000.0, 1, 1)), 1690.0, True),
+        # Every rank beat once, then all stopped: caught once the last one is stale.
+        (((0, 1000.0, 1, 1), (1, 1010.0, 1, 1)), 1309.9, False),
+        (((0, 1000.0, 1, 1), (1, 1010.0, 1, 1)), 1310.0, True),
+        # One rank, one beat, then silence: still a hang.
+        (((0, 1000.0, 1, 1),), 1300.0, True),
+    ],
+    ids=["forged-old", "forged-older", "real-stale-too", "all-once-before", "all-once-stale",
+         "lone-single-beat"],
+)
+def test_a_rank_with_one_beat_never_decides_a_hang_alone(
+    ranks: tuple[tuple[int, float, int, int], ...], now: float, fires: bool
+) -> None:
+    """A single-beat rank alone is no hang; established ranks, or every rank stale, decide."""
+    snap = _snap(now, ranks)
+    assert (detect_hang(JOB, snap, HB) is not None) is fires
+    deadline = next_deadline(snap, HB)
+    assert deadline is not None and (now >= deadline) is fires
+
+
+def test_hang_decided_by_established_ranks_names_one_of_them() -> None:
+    """When a hang fires, the single-beat rank is listed stale but never named."""
+    fault = detect_hang(JOB, _snap(1700.0, ((0, 1390.0, 50, 40), (7, 1000.0, 1, 1))), HB)
+    assert fault is not None
+    assert fault.rank == 0
+    assert fault.onset == 1690.0
+    assert fault.evidence["ranks_stale"] == [0, 7]
+
+
+# (rank, last_beat, step); now 2000, timeout 300: everything beat before 1700 is stale.
+_TABLE = [
+    # lowest step wins, even with the newer beat
+    ("lowest-step", ((0, 1600.0, 10), (1, 1500.0, 11)), frozenset(), 0, None),
+    # same step: the oldest beat wins when it is clearly older than the batch window
+    ("oldest-beat", ((0, 1600.0, 10), (1, 1500.0, 10)), frozenset(), 1, None),
+    # same step, beats in one batch (torchrun DDP): unknown, never dict order
+    ("tie", ((1, 1600.00, 10), (0, 1600.05, 10)), frozenset(), None, [0, 1]),
+    ("tie-reversed", ((0, 1600.00, 10), (1, 1600.05, 10)), frozenset(), None, [0, 1]),
+    # a tie broken by the one stopped process among the tied ranks
+    ("tie-one-stopped", ((1, 1600.00, 10), (0, 1600.05, 10)), frozenset({0}), 0, [0, 1]),
+    # both stopped: still unknown
+    ("tie-both-stopped", ((1, 1600.0, 10), (0, 1600.0, 10)), frozenset({0, 1}), None, [0, 1]),
+    # a stopped rank outside the tie does not name itself
+    ("stopped-not-tied", ((0, 1600.0, 10), (1, 1600.0, 10), (2, 1600.0, 12)), frozenset({2}),
+     None, [0, 1]),
+    # a lone stale rank is named whatever the others are
+    ("one-stale", ((0, 1990.0, 11), (1, 1600.0, 10)), frozenset(), 1, None),
+    # three tied, one of them stopped
+    ("three-tied", ((2, 1600.0, 9), (0, 1600.02, 9), (1, 1600.08, 9)), frozenset({1}), 1,
+     [0, 1, 2]),
+]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "stopped", "named", "tied"),
+    [pytest.param(r, s, n, t, id=i) for i, r, s, n, t in _TABLE],
+)
+def test_hang_names_a_rank_only_when_it_is_unambiguous(
+    ranks: tuple[tuple[int, float, int], ...], stopped: frozenset[int], named: int | None,
+    tied: list[int] | None,
+) -> None:
+    """The hung rank is the lowest step, then the oldest beat; a tie is unknown unless
+    exactly one of the tied ranks is stopped."""
+    fault = detect_hang(JOB, _snap(2000.0, ranks, stopped=stopped), HB)
+    assert fault is not None
+    assert fault.rank == named
+    assert fault.evidence.get("ranks_tied") == tied
+    assert fault.onset_step == min(s for _, t, s in ranks if t + 300.0 <= 2000.0)
+
+
+def test_startup_timeout_without_required_never_fires() -> None:
+    """Silence that was never promised (required false) is never a hang, even with a startup
+    timeout built in code past the config check."""
+    hb = Heartbeat(timeout=300.0, startup_timeout=1.0, required=False)
+    snap = HeartbeatSnapshot(now=1e6, attempt_started=0.0, ranks=(), intervals_p99=None)
+    assert detect_hang(JOB, snap, hb) is None
+    assert next_deadline(snap, hb) is None

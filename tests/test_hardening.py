@@ -17,12 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import Workspace, missing, wait_for
 from trainwatch.config import from_mapping
 from trainwatch.job import JobRunner
 from trainwatch.supervisor import Supervisor
 from trainwatch.types import JobState
-
-from conftest import Workspace, missing, wait_for
 
 VICTIM = "twvictim"
 

@@ -3,6 +3,7 @@ SO_PASSCRED credentials, and JobTree deciding whom to believe."""
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import shutil
@@ -18,6 +19,7 @@ from typing import IO
 
 import pytest
 from trainwatch import client
+from trainwatch.ownership import UnsafeDir
 from trainwatch.sources.heartbeat import MAX_DATAGRAM, HeartbeatSocket
 from trainwatch.tree import JobTree
 from trainwatch.types import Beat, CheckpointReport
@@ -150,6 +152,20 @@ _GOOD = b'{"v":1,"k":"beat","rank":0,"step":1}'
         pytest.param(b'{"v":1,"k":"ckpt","step":1,"path":7}', id="ckpt-numeric-path"),
         pytest.param(b'{"v":1,"k":"beat","step":1,"x":"\xff\xfe"}', id="invalid-utf8"),
         pytest.param(b"[" * 4000, id="deeply-nested"),
+        pytest.param(b'{"v":1,"k":"beat","step":' + b"9" * 400 + b"}", id="step-400-digits"),
+        pytest.param(b'{"v":1,"k":"beat","step":' + str(10**309).encode() + b"}",
+                     id="step-beyond-float"),
+        pytest.param(b'{"v":1,"k":"beat","step":9223372036854775808}', id="step-2**63"),
+        pytest.param(b'{"v":1,"k":"beat","rank":9223372036854775808,"step":1}', id="rank-2**63"),
+        pytest.param(b'{"v":1,"k":"beat","step":1,"loss":' + str(10**309).encode() + b"}",
+                     id="loss-beyond-float"),
+        pytest.param(b'{"v":1,"k":"beat","step":1,"grad_norm":-' + str(10**309).encode() + b"}",
+                     id="grad-norm-beyond-float"),
+        pytest.param(b'{"v":1,"k":"beat","step":1,"loss":[1]}', id="list-loss"),
+        pytest.param(b'{"v":1,"k":"ckpt","step":9223372036854775808,"path":"/c"}',
+                     id="ckpt-step-2**63"),
+        pytest.param(b'{"v":1,"k":"ckpt","step":1,"path":"/c/\\u0000x"}', id="ckpt-nul-path"),
+        pytest.param(b'{"v":1,"k":["beat"],"step":1}', id="unhashable-kind"),
     ],
 )
 def test_malformed_datagram_is_dropped_and_counted(
@@ -209,7 +225,7 @@ def test_unprivileged_sender_outside_job_tree_is_foreign(
     _require_root()
     path = open_dir / "job.sock"
     tree = JobTree(JOB, leader=unrelated_leader.pid)
-    hs = HeartbeatSocket(str(path), believe=tree.owns)
+    hs = HeartbeatSocket(str(path), believe=tree.owns, owner=(NOBODY, NOBODY))
     go_r, go_w = os.pipe()  # the child stays alive until we have drained
     ready_r, ready_w = os.pipe()
     pid = os.fork()
@@ -256,10 +272,10 @@ _LEADER = textwrap.dedent(
     if pid == 0:
         os.setsid()  # leave the job's session: believed only as the leader's descendant
         client.connect(path, rank=1).beat(2)
-        print("child", os.getpid(), os.getuid(), flush=True)
+        os.write(1, f"child {os.getpid()} {os.getuid()}\\n".encode())
         sys.stdin.read()  # stay alive until the test has drained
         os._exit(0)
-    print("leader", os.getpid(), os.getuid(), flush=True)
+    os.write(1, f"leader {os.getpid()} {os.getuid()}\\n".encode())
     sys.stdin.read()
     os.waitpid(pid, 0)
     """
@@ -271,7 +287,8 @@ def test_unprivileged_leader_and_its_child_are_believed(open_dir: Path) -> None:
     _require_root()
     path = open_dir / "job.sock"
     trees: list[JobTree] = []  # the tree needs the leader's pid; the socket must exist first
-    hs = HeartbeatSocket(str(path), believe=lambda pid, uid: trees[0].owns(pid, uid))
+    hs = HeartbeatSocket(str(path), believe=lambda pid, uid: trees[0].owns(pid, uid),
+                         owner=(NOBODY, NOBODY))
     leader = subprocess.Popen(
         [sys.executable, "-c", _LEADER, str(path)],
         stdin=subprocess.PIPE,
@@ -315,13 +332,192 @@ def test_root_sender_is_believed_by_job_tree(
 
 
 def test_stale_socket_file_is_replaced_and_close_removes_it(sock_path: Path) -> None:
-    """Binding over a stale socket file works, the socket is world-writable, close() unlinks it."""
+    """Binding over a stale socket file works, the socket is private (0600), close() unlinks it."""
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     stale.bind(str(sock_path))
     stale.close()  # left behind, as after a daemon crash
     hs = HeartbeatSocket(str(sock_path), believe=_believe_all)
-    assert sock_path.stat().st_mode & 0o777 == 0o666
+    assert sock_path.stat().st_mode & 0o777 == 0o600
     _send(sock_path, _GOOD)
     assert len(hs.drain()) == 1
     hs.close()
     assert not sock_path.exists()
+
+
+_CONNECT_AS_NOBODY = textwrap.dedent(
+    """
+    import errno, os, socket, sys
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        s.connect(sys.argv[1])
+        s.send(b'{"v":1,"k":"beat","rank":0,"step":1}')
+    except OSError as e:
+        print(errno.errorcode[e.errno])
+    else:
+        print("sent")
+    """
+)
+
+
+def _connect_as_nobody(path: Path) -> str:
+    out = subprocess.run([sys.executable, "-c", _CONNECT_AS_NOBODY, str(path)],
+                         capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.strip()
+
+
+def test_socket_file_is_0600_and_given_to_the_jobs_user(open_dir: Path) -> None:
+    """The socket file belongs to the job's (uid, gid), mode 0600: only they and root may send."""
+    _require_root()
+    path = open_dir / "job.sock"
+    hs = HeartbeatSocket(str(path), believe=_believe_all, owner=(NOBODY, NOBODY))
+    try:
+        st = path.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (NOBODY, NOBODY, 0o600)
+        assert _connect_as_nobody(path) == "sent"
+        (beat,) = hs.drain()
+        assert isinstance(beat, Beat)
+    finally:
+        hs.close()
+
+
+def test_another_uid_cannot_connect_and_costs_nothing(open_dir: Path) -> None:
+    """A user other than the job's gets EACCES at connect(); nothing reaches the socket."""
+    _require_root()
+    path = open_dir / "job.sock"
+    calls: list[tuple[int, int]] = []
+
+    def believe(pid: int, uid: int) -> bool:
+        calls.append((pid, uid))
+        return True
+
+    hs = HeartbeatSocket(str(path), believe=believe)  # owned by us (root), not by 65534
+    try:
+        assert _connect_as_nobody(path) == "EACCES"
+        assert hs.drain() == []
+        assert hs.counters.received == 0
+        assert calls == []
+    finally:
+        hs.close()
+
+
+def test_missing_socket_folder_is_created_private(open_dir: Path) -> None:
+    """run_dir/jobs is created if absent: 0755 as root (jobs reach their own file), else 0700."""
+    path = open_dir / "jobs" / "j.sock"
+    hs = HeartbeatSocket(str(path), believe=_believe_all)
+    try:
+        mode = (path.parent.stat().st_mode & 0o777)
+        assert mode == (0o755 if os.geteuid() == 0 else 0o700)
+        assert path.stat().st_mode & 0o777 == 0o600
+    finally:
+        hs.close()
+
+
+def test_socket_folder_writable_by_others_is_refused(open_dir: Path) -> None:
+    """A socket folder any user could write to (swap the socket in) is refused, nothing bound."""
+    folder = open_dir / "jobs"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(UnsafeDir, match="writable by every user"):
+        HeartbeatSocket(str(folder / "j.sock"), believe=_believe_all)
+    assert list(folder.iterdir()) == []
+
+
+def _flood(path: Path, data: bytes, n: int, hs: HeartbeatSocket) -> list[object]:
+    """Send n datagrams from this process, draining whenever the kernel queue is full."""
+    out: list[object] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(str(path))
+        s.setblocking(False)
+        sent = 0
+        while sent < n:
+            try:
+                s.send(data)
+                sent += 1
+            except BlockingIOError:
+                out += hs.drain()
+    out += hs.drain()
+    return out
+
+
+def test_a_flood_from_one_sender_is_judged_once_per_ttl(sock_path: Path) -> None:
+    """1,000 datagrams from one rejected sender cost one believe() call; each is counted foreign."""
+    calls: list[tuple[int, int]] = []
+
+    def believe(pid: int, uid: int) -> bool:
+        calls.append((pid, uid))
+        return False
+
+    hs = HeartbeatSocket(str(sock_path), believe=believe, verdict_ttl=60.0)
+    try:
+        assert _flood(sock_path, _GOOD, 1000, hs) == []
+        assert calls == [(os.getpid(), os.getuid())]
+        assert hs.counters.foreign == 1000
+        assert hs.counters.judged == 1
+    finally:
+        hs.close()
+
+
+def test_a_sender_is_judged_again_after_the_ttl(sock_path: Path) -> None:
+    """A cached verdict expires, so a reused pid is judged afresh."""
+    verdicts = [False, True]
+    hs = HeartbeatSocket(str(sock_path), believe=lambda pid, uid: verdicts.pop(0),
+                         verdict_ttl=0.05)
+    try:
+        _send(sock_path, _GOOD)
+        assert hs.drain() == []
+        time.sleep(0.1)  # past the TTL: any longer pause is fine too
+        _send(sock_path, _GOOD)
+        assert len(hs.drain()) == 1
+        assert hs.counters.judged == 2
+    finally:
+        hs.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "accepted", "refused"),
+    [
+        ("step", 2**63 - 1, 2**63),
+        ("rank", 2**63 - 1, 2**63),
+    ],
+)
+def test_step_and_rank_are_bounded_to_int64(
+    hs: HeartbeatSocket, sock_path: Path, field: str, accepted: int, refused: int
+) -> None:
+    """The int64 maximum is taken; one more is malformed (SQLite and Prometheus hold int64)."""
+    for value in (accepted, refused):
+        body = {"v": 1, "k": "beat", "rank": 0, "step": 1, field: value}
+        _send(sock_path, json.dumps(body).encode())
+    (beat,) = hs.drain()
+    assert isinstance(beat, Beat)
+    assert getattr(beat, field) == accepted
+    assert hs.counters.malformed == 1
+
+
+def test_non_finite_and_large_losses_are_floats(hs: HeartbeatSocket, sock_path: Path) -> None:
+    """The client's "nan"/"inf" strings and big integers become floats; a beyond-float one is
+    malformed and nothing raises."""
+    for loss in ('"nan"', '"-inf"', "1e308", str(10**300), str(10**309)):
+        _send(sock_path, b'{"v":1,"k":"beat","step":1,"loss":' + loss.encode() + b"}")
+    beats = hs.drain()
+    assert [str(b.loss) for b in beats if isinstance(b, Beat)] == [
+        "nan", "-inf", "1e+308", "1e+300"]
+    assert hs.counters.malformed == 1
+
+
+def test_forget_senders_judges_every_sender_again(sock_path: Path) -> None:
+    """After forget_senders() (a relaunch), a sender believed before is judged afresh."""
+    verdicts = [True, False]
+    hs = HeartbeatSocket(str(sock_path), believe=lambda pid, uid: verdicts.pop(0),
+                         verdict_ttl=60.0)
+    try:
+        _send(sock_path, _GOOD)
+        assert len(hs.drain()) == 1
+        hs.forget_senders()
+        _send(sock_path, _GOOD)
+        assert hs.drain() == []
+        assert (hs.counters.judged, hs.counters.foreign) == (2, 1)
+    finally:
+        hs.close()

@@ -148,3 +148,71 @@ def test_relaunch_from_scratch_records_no_checkpoint(ledger: Ledger) -> None:
     row = ledger.incidents()[0]
     assert row["time_to_relaunch_s"] == pytest.approx(3.0)
     assert (row["resumed_from"], row["resumed_step"], row["steps_lost"]) == (None, None, None)
+
+
+def test_integers_past_int64_are_clamped_and_kept_whole_in_the_evidence(ledger: Ledger) -> None:
+    """A step, rank or gpu past int64 (a job's `beat(2**63)`) is stored clamped,
+    the evidence keeps it whole, and nothing raises or counts as a failure."""
+    huge = Fault(FaultKind.HANG, "j", onset=1.0, evidence={"step": 2**80, "rank": -(2**70)},
+                 rank=2**70, gpu=2**64, onset_step=2**63)
+    iid = ledger.incident(huge, "restart", "r", attempt=2**65, detection_latency=2**90)
+    assert iid > 0 and ledger.errors == 0
+    (row,) = ledger.incidents()
+    top = 2**63 - 1
+    assert (row["rank"], row["gpu"], row["onset_step"], row["attempt"]) == (top, top, top, top)
+    assert row["evidence"] == {"step": 2**80, "rank": -(2**70)}
+    ledger.relaunched(iid, Relaunch(time.time(), "/c", -(2**64), 2**64))
+    ledger.transition("j", 2**64, None, JobState.STARTING, "launched")
+    assert ledger.incidents()[0]["resumed_step"] == -(2**63)
+    assert ledger.transitions()[0]["attempt"] == top and ledger.errors == 0
+
+
+def test_evidence_json_cannot_encode_is_stored_as_its_repr(ledger: Ledger) -> None:
+    """Evidence with keys of mixed types or odd values is stored, never raised."""
+    odd = Fault(FaultKind.CRASH, "j", onset=1.0, evidence={1: "a", "b": {2, 3}})
+    assert ledger.incident(odd, "restart", "r", attempt=0, detection_latency=0.0) > 0
+    assert ledger.errors == 0
+    assert "repr" in ledger.incidents()[0]["evidence"]
+
+
+def test_a_ledger_that_cannot_be_opened_lives_in_memory_and_counts_each_write(
+        tmp_path: Path) -> None:
+    """When the file cannot be opened (here a folder stands where it should be, as a full
+    or read-only state_dir would refuse it) the Ledger still opens, keeps incidents in
+    memory for this process, and counts the open and every write as failed writes."""
+    from trainwatch import statewrites
+
+    (tmp_path / LEDGER_NAME).mkdir()
+    before = statewrites.counts()["ledger"]
+    led = Ledger(tmp_path)
+    try:
+        assert led.persistent is False and led.errors == 1
+        iid = led.incident(CRASH, "restart", "r", attempt=0, detection_latency=0.0)
+        led.relaunched(iid, Relaunch(time.time(), None, None, None))
+        led.transition("bert", 0, None, JobState.STARTING, "launched")
+        assert [r["id"] for r in led.incidents()] == [iid]
+        assert led.incidents()[0]["relaunched_at"] is not None
+        assert led.errors == 4
+        assert statewrites.counts()["ledger"] == before + 4
+    finally:
+        led.close()
+
+
+def test_ledger_files_are_0640_and_a_looser_ledger_is_tightened(tmp_path: Path) -> None:
+    """ledger.db and the -wal and -shm files SQLite creates beside it are not
+    world-readable, even under umask 022; a ledger left 0644 is brought to 0640."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        (tmp_path / LEDGER_NAME).touch(mode=0o644)
+        os.chmod(tmp_path / LEDGER_NAME, 0o644)
+        led = Ledger(tmp_path)
+        led.transition("j", 0, None, JobState.STARTING, "launched")
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+        led.close()
+    finally:
+        os.umask(old)
+    assert modes == {LEDGER_NAME: 0o640, f"{LEDGER_NAME}-wal": 0o640,
+                     f"{LEDGER_NAME}-shm": 0o640}, modes

@@ -143,3 +143,9 @@ def test_an_explicit_action_is_budgeted_like_the_policys_own() -> None:
     assert first.action is Action.RESTART_EXCLUDE_GPU and not first.fatal and first.delay > 0
     second = decide(policy, CRASH, history, 1.0, 1.0, _rng(), Action.RESTART_EXCLUDE_GPU)
     assert second.fatal
+
+
+def test_backoff_after_thousands_of_restarts_stays_at_the_cap() -> None:
+    """factor**n overflows a float past ~1,000 restarts; the delay stays the cap instead."""
+    p = Policy(backoff=Backoff(initial=1.0, factor=2.0, max=60.0, jitter=0.0))
+    assert backoff_delay(p, 5000, random.Random(0)) == 60.0

@@ -45,7 +45,7 @@ def test_repeated_or_older_step_teaches_no_interval() -> None:
     r.observe(_beat(0, 4, 4.0))
     assert list(r.intervals) == []
     (view,) = r.snapshot(now=5.0, min_samples=1).ranks
-    assert view == RankView(rank=0, last_beat=4.0, step=4)
+    assert view == RankView(rank=0, last_beat=4.0, step=4, beats=3)
 
 
 def test_p99_none_until_min_samples() -> None:
@@ -104,7 +104,52 @@ def test_snapshot_lists_every_rank() -> None:
     snap = r.snapshot(now=10.0, min_samples=20)
     assert (snap.now, snap.attempt_started) == (10.0, 7.0)
     assert sorted(snap.ranks, key=lambda v: v.rank) == [
-        RankView(rank=0, last_beat=8.0, step=3),
-        RankView(rank=1, last_beat=9.0, step=2),
+        RankView(rank=0, last_beat=8.0, step=3, beats=1),
+        RankView(rank=1, last_beat=9.0, step=2, beats=1),
     ]
     assert r.pids() == {0: 100, 1: 101}
+
+
+def test_beats_are_counted_per_rank() -> None:
+    """Each rank's view carries how many beats it sent this attempt."""
+    r = Ranks(started=0.0)
+    for i in range(3):
+        r.observe(_beat(0, i, float(i)))
+    r.observe(_beat(1, 0, 0.5))
+    views = {v.rank: v.beats for v in r.snapshot(now=5.0, min_samples=20).ranks}
+    assert views == {0: 3, 1: 1}
+
+
+def test_a_rank_at_or_beyond_the_cap_is_dropped_and_counted() -> None:
+    """Ranks 0..max_ranks-1 are kept; a beat of a rank beyond is dropped (None) and counted."""
+    r = Ranks(started=0.0, max_ranks=4)
+    for rank in range(4):
+        assert r.observe(_beat(rank, 1, 1.0)) is True
+    assert r.observe(_beat(4, 1, 1.0)) is None
+    assert r.observe(_beat(2**63 - 1, 1, 1.0)) is None
+    assert r.over_cap == 2
+    assert sorted(r.ranks) == [0, 1, 2, 3]
+    assert r.observe(_beat(3, 2, 2.0)) is False  # a known rank still beats
+
+
+def test_fifty_thousand_fake_ranks_keep_a_bounded_state() -> None:
+    """50,000 distinct ranks leave at most the default cap (1,024) in memory and count the rest."""
+    r = Ranks(started=0.0)
+    for rank in range(50_000):
+        r.observe(_beat(rank, 1, 1.0))
+    assert len(r.ranks) == 1024
+    assert r.over_cap == 50_000 - 1024
+    assert len(r.snapshot(now=2.0, min_samples=20).ranks) == 1024
+
+
+
+def test_a_beat_without_a_value_keeps_the_last_and_its_step() -> None:
+    """loss= every k steps only: the last loss and grad norm stay, with the step they came at."""
+    r = Ranks(started=0.0)
+    r.observe(Beat(rank=0, step=1, at=1.0, pid=10, loss=2.5, grad_norm=0.5))
+    r.observe(Beat(rank=0, step=2, at=2.0, pid=10))
+    r.observe(Beat(rank=0, step=3, at=3.0, pid=10, grad_norm=0.25))
+    rv = r.ranks[0]
+    assert (rv.loss, rv.loss_step) == (2.5, 1)
+    assert (rv.grad_norm, rv.grad_norm_step) == (0.25, 3)
+    assert rv.step == 3

@@ -202,7 +202,8 @@ def test_job_without_client_is_never_killed_for_not_beating(ws: Workspace) -> No
 def test_startup_timeout_catches_a_job_that_never_beats(ws: Workspace) -> None:
     """With startup_timeout set, an attempt that never beats is a hang."""
     cfg = ws.config(
-        {"command": ["sleep", "30"], "heartbeat": {"startup_timeout": "0.5s"}}, {"max_restarts": 0}
+        {"command": ["sleep", "30"],
+         "heartbeat": {"required": True, "startup_timeout": "0.5s"}}, {"max_restarts": 0}
     )
     rc, out = finish(ws.run(cfg))
     assert rc == 1, out

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import Workspace, finish, missing, wait_for
 
 DDP = Path(__file__).parent / "jobs" / "ddp.py"

@@ -1,31 +1,60 @@
 """Atomic state files: write a temp file, fsync it, rename it over the old one,
-fsync the directory. A reader sees the old file or the new one, never half."""
+fsync the directory. A reader sees the old file or the new one, never half.
+
+State files are not world-readable (they name jobs, paths and pids): 0640 by
+default, set on the temp file's descriptor, so no path (and no symlink) is
+ever followed to set it; the rename replaces a symlink rather than follow it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+FILE_MODE = 0o640
+DIR_MODE = 0o750
 
-def write_json(path: str | os.PathLike[str], obj: Any, durable: bool = True) -> None:
-    """``durable=False`` skips the fsyncs: still old-or-new for readers, but a
-    power loss may leave the old file. For snapshots rewritten every second."""
+
+def makedirs(path: str | os.PathLike[str], mode: int = DIR_MODE) -> None:
+    """Create ``path`` and every missing folder above it with ``mode`` (the
+    umask may only tighten it); unlike ``os.makedirs``, which gives the
+    folders above the default mode (0755 under the usual umask)."""
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
+    missing = []
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, mode)
+
+
+def write_json(path: str | os.PathLike[str], obj: Any, durable: bool = True,
+               mode: int = FILE_MODE) -> None:
+    """``durable=False`` skips the fsyncs: still old-or-new for readers, but a
+    power loss may leave the old file. For snapshots rewritten every second.
+    Raises OSError (disk full, read-only) or ValueError/TypeError (``obj`` is
+    not JSON); the old file is then untouched and no temp file is left."""
+    p = Path(path)
+    makedirs(p.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
     try:
         with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), mode)
             json.dump(obj, f, indent=1, sort_keys=True)
             f.flush()
             if durable:
                 os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
         os.replace(tmp, p)
     except BaseException:
-        os.unlink(tmp)
+        with contextlib.suppress(OSError):  # the first error is the one to report
+            os.unlink(tmp)
         raise
     if not durable:
         return

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trainwatch import atomic
+from trainwatch import atomic, statewrites
 from trainwatch.config import Checkpoints
 
 log = logging.getLogger("trainwatch")
@@ -104,8 +104,9 @@ class Catalog:
     def _save(self) -> None:
         try:
             self._write()
-        except OSError as e:  # survived: the catalog also finds checkpoints on disk
-            log.error("%s: cannot save: %s", self.state_file, e.strerror or e)
+        except (OSError, ValueError, TypeError) as e:
+            # Counted and survived: the catalog also finds checkpoints on disk.
+            statewrites.failed("catalog", self.state_file, e)
 
     def _write(self) -> None:
         atomic.write_json(

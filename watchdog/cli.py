@@ -9,17 +9,17 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from datetime import datetime
 from typing import Any, NoReturn
 
-from trainwatch import __version__
+from trainwatch import __version__, fields
 from trainwatch.config import (
-    MAX_SOCKET_PATH,
     ConfigError,
     Job,
+    check_command,
     from_mapping,
     load,
-    parse_duration,
-    socket_path,
+    socket_problem,
 )
 from trainwatch.ledger import Ledger
 
@@ -32,16 +32,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
+EXIT_CODES = """exit status:
+  0    the job finished (exited 0)
+  1    the job went fatal (restart budget spent, or it cannot be relaunched)
+  2    a usage or config error, or trainwatch could not start
+  129  stopped by SIGHUP (128 + 1): the terminal closed; the job was stopped too
+  130  stopped by SIGINT (128 + 2, Ctrl-C), or the job was paused
+  143  stopped by SIGTERM (128 + 15), e.g. systemctl stop or kill"""
+
+
 def _duration(text: str) -> float:
     try:
-        d = parse_duration(text)
+        return fields.duration(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a duration such as 30s, 5m or 24h, got {text!r}"
-        ) from None
-    if d <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive duration, got {text!r}")
-    return d
+        raise argparse.ArgumentTypeError(f"expected {fields.DUR}, got {text!r}") from None
 
 
 def _natural(text: str) -> int:
@@ -54,6 +58,12 @@ def _natural(text: str) -> int:
     return n
 
 
+def _address(text: str) -> str:
+    if not text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"expected an address such as 127.0.0.1, got {text!r}")
+    return text
+
+
 def _port(text: str) -> int:
     n = _natural(text)
     if n > 65535:
@@ -61,13 +71,20 @@ def _port(text: str) -> int:
     return n
 
 
+class IsoFormatter(logging.Formatter):
+    """Timestamps in ISO 8601 with milliseconds and the UTC offset, as journald,
+    Loki and a reader in another time zone can all place without guessing:
+    ``2026-11-23T21:30:00.123+00:00 trainwatch: ...``."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        when = datetime.fromtimestamp(record.created).astimezone()
+        return when.isoformat(timespec="milliseconds")
+
+
 def _setup_logging(quiet: bool = False) -> None:
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO,
-        format="%(asctime)s trainwatch: %(message)s",
-        datefmt="%H:%M:%S",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(IsoFormatter("%(asctime)s trainwatch: %(message)s"))
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
 
 
 def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
@@ -76,10 +93,13 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
         config = load(args.config)
         job = config.job(args.name)
         if args.command:
+            check_command(args.command, config.gpu.backend, lambda n: f"-- CMD: argument {n}")
             job = replace(job, command=tuple(args.command))
     else:
         if not args.command:
             raise ConfigError("trainwatch run: expected a command after --, got nothing")
+        if args.name is not None and not fields.NAME_RE.match(args.name):
+            raise ConfigError(f"--name: expected {fields.NAME}, got {fields.show(args.name)}")
         config = from_mapping(
             {"jobs": [{"name": args.name or "job", "command": list(args.command)}]},
             "<flags>",
@@ -88,8 +108,17 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
     hb = job.heartbeat
     if args.heartbeat_timeout is not None:
         hb = replace(hb, timeout=args.heartbeat_timeout)
+    if args.require_heartbeat:
+        hb = replace(hb, required=True)
     if args.startup_timeout is not None:
         hb = replace(hb, startup_timeout=args.startup_timeout)
+    if hb.startup_timeout is not None and not hb.required:
+        # With --config, a YAML startup_timeout without required was refused at load.
+        raise ConfigError(
+            f"--startup-timeout: expected it only with --require-heartbeat (or"
+            f" heartbeat.required: true), got {hb.startup_timeout:g}s without it (a job"
+            " that is not declared to beat cannot be judged by the absence of beats)"
+        )
     cp = job.checkpoints
     if args.checkpoint_dir is not None:
         cp = replace(cp, dir=args.checkpoint_dir)
@@ -118,10 +147,12 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
     )
     if args.metrics_port is not None:
         config = replace(config, metrics=replace(config.metrics, port=args.metrics_port))
-    if len(socket_path(config.run_dir, job.name)) > MAX_SOCKET_PATH:
-        raise ConfigError(
-            f"--run-dir: expected a path short enough for a socket, got {config.run_dir!r}"
-        )
+    if args.metrics_address is not None:
+        config = replace(config, metrics=replace(config.metrics, address=args.metrics_address))
+    problem = socket_problem(config.run_dir, job.name)
+    if problem is not None:
+        where = "--run-dir" if args.run_dir else f"{config.source}: run_dir"
+        raise ConfigError(f"{where}: {problem}")
     return config, job
 
 
@@ -130,7 +161,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config, _job = _run_config(args)
     _setup_logging(args.quiet)
-    return Supervisor(config, passthrough=not args.no_passthrough).run()
+    # A foreground wrapper: its job must not outlive it (the daemon adopts instead).
+    return Supervisor(config, passthrough=not args.no_passthrough, die_with_parent=True).run()
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
@@ -233,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     r = sub.add_parser("run", help="supervise one job in the foreground",
-                       usage="trainwatch run [OPTIONS] -- CMD ...")
+                       usage="trainwatch run [OPTIONS] -- CMD ...", epilog=EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--config", help="a YAML config (see config/trainwatch.yaml)")
     r.add_argument("--name", help="the job's name (with --config: which job)")
     r.add_argument("--state-dir", help="ledger, logs and state")
@@ -244,10 +277,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="appended when resuming; repeat; e.g. --resume-arg=--resume "
                         "--resume-arg={checkpoint}")
     r.add_argument("--heartbeat-timeout", type=_duration, help="e.g. 5m (default 5m)")
-    r.add_argument("--startup-timeout", type=_duration, help="until the first beat (default off)")
+    r.add_argument("--require-heartbeat", action="store_true",
+                   help="the job uses trainwatch.client and must beat (heartbeat.required)")
+    r.add_argument("--startup-timeout", type=_duration,
+                   help="no first beat this long after a launch is a hang; needs"
+                        " --require-heartbeat (default off)")
     r.add_argument("--max-restarts", type=_natural, help="within the window (default 10 in 24h)")
     r.add_argument("--metrics-port", type=_port,
                    help="the Prometheus exporter's port (default 9445; 0: off)")
+    r.add_argument("--metrics-address", type=_address,
+                   help="the exporter's listen address (default 127.0.0.1; 0.0.0.0 for a"
+                        " Prometheus on another host)")
     r.add_argument("--observe-only", action="store_true", help="record, never signal the job")
     r.add_argument("--no-passthrough", action="store_true", help="only log the job's output")
     r.add_argument("-q", "--quiet", action="store_true", help="only warnings from trainwatch")

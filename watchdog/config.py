@@ -1,28 +1,29 @@
 """The YAML schema of DESIGN.md, validated into frozen, typed objects.
 
 A mistake raises ConfigError whose text is one line naming the file, the field
-path, what was expected and what was found.
+path (a job by its name once it has a valid one: ``jobs.train.command[3]``),
+what was expected and what was found.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-from trainwatch.types import IMPLEMENTED_ACTIONS, Action, FaultKind
+from trainwatch import fields, yamldoc
+from trainwatch.fields import MAX_DURATION, Refused, Said, parse_duration, show
+from trainwatch.types import DETECTED_KINDS, IMPLEMENTED_ACTIONS, Action, FaultKind
 from trainwatch.xid import Immediate
+
+__all__ = ["MAX_DURATION", "parse_duration"]
 
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+DEFAULT_MAX_RANKS = 1024  # ranks believed per job when it declares no world size
+MAX_SIM_GPUS = 1024
 
 
 class ConfigError(ValueError):
@@ -31,7 +32,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Backoff:
-    initial: float = 10.0
+    initial: float = 10.0  # 0: relaunch at once
     factor: float = 2.0
     max: float = 600.0
     jitter: float = 0.1  # +/- this fraction, so that many hosts do not retry in step
@@ -87,6 +88,14 @@ class Heartbeat:
     timeout: float = 300.0
     startup_timeout: float | None = None  # None: armed by the first beat only
     learned: Learned | None = None
+    # The job declared that it beats: only then may silence from the start count.
+    required: bool = False
+    ranks: int | None = None  # the declared world size; None: not declared
+
+    @property
+    def max_ranks(self) -> int:
+        """How many distinct ranks of one attempt are believed; the rest are refused."""
+        return self.ranks if self.ranks is not None else DEFAULT_MAX_RANKS
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,7 @@ class Job:
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
     policy: str = "default"
     gpus: Gpus = field(default_factory=lambda: Gpus())
+    group: str | None = None  # the job's primary group; None: the user's own
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,7 @@ class Gpus:
 
 @dataclass(frozen=True)
 class Metrics:
-    address: str = "0.0.0.0"
+    address: str = "127.0.0.1"  # 0.0.0.0 only when Prometheus scrapes from another host
     port: int = 9445
 
 
@@ -161,7 +171,7 @@ class Config:
         for j in self.jobs:
             if j.name == name:
                 return j
-        raise ConfigError(f"{self.source}: jobs: no job named {name!r}")
+        raise ConfigError(f"{self.source}: jobs: no job named {show(name)}")
 
 
 def default_dirs() -> tuple[str, str]:
@@ -174,21 +184,6 @@ def default_dirs() -> tuple[str, str]:
     return f"{state}/trainwatch", f"{runtime}/trainwatch"
 
 
-def parse_duration(value: object) -> float:
-    """30, 30.5, '30s', '5m', '24h', '250ms' -> seconds. Raises ValueError."""
-    if isinstance(value, bool):
-        raise ValueError(value)
-    if isinstance(value, int | float):
-        if value < 0 or not math.isfinite(value):
-            raise ValueError(value)
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m:
-            return float(m.group(1)) * _UNITS[m.group(2)]
-    raise ValueError(value)
-
-
 # --- the reader --------------------------------------------------------------
 
 
@@ -199,26 +194,20 @@ class _Reader:
         self.source = source
 
     def fail(self, path: str, expected: str, got: object) -> ConfigError:
-        if got is _MISSING:
-            shown = "nothing"
-        elif isinstance(got, _Said):
-            shown = str(got)  # composed by the caller, already short
-        else:
-            shown = repr(got)
-            if len(shown) > 60:
-                shown = shown[:57] + "..."
+        shown = "nothing" if got is _MISSING else show(got)
         return ConfigError(f"{self.source}: {path}: expected {expected}, got {shown}")
 
-    def mapping(self, value: object, path: str, keys: set[str]) -> dict[str, Any]:
+    def mapping(self, value: object, path: str, keys: set[str],
+                expected: str | None = None) -> dict[str, Any]:
         if value is None:
             return {}
         if not isinstance(value, dict):
             raise self.fail(path or "top level", "a mapping", value)
         for k in value:
             if k not in keys:
-                where = f"{path}.{k}" if path else str(k)
-                expected = "one of " + ", ".join(sorted(keys))
-                raise self.fail(where, expected, _Said("an unknown key"))
+                where = f"{path}.{fields.key(k)}" if path else fields.key(k)
+                raise self.fail(where, expected or "one of " + ", ".join(sorted(keys)),
+                                Said("an unknown key"))
         return value
 
     def get(self, m: Mapping[str, Any], key: str, path: str, kind: str, default: Any) -> Any:
@@ -228,86 +217,41 @@ class _Reader:
             if default is _MISSING:
                 raise self.fail(where, kind, value)
             return default
-        check = _CHECKS[kind]
         try:
-            return check(value)
-        except (TypeError, ValueError):
+            return fields.CHECKS[kind](value)
+        except Refused as e:
+            raise self.fail(where, e.expected, e.got) from None
+        except (TypeError, ValueError, OverflowError):
             raise self.fail(where, kind, value) from None
+
+    def arguments(self, value: object, path: str, expected: str) -> tuple[str, ...]:
+        """A list of command-line arguments, each mistake named by its index."""
+        if not isinstance(value, list):
+            raise self.fail(path, expected, value)
+        out = []
+        for n, x in enumerate(value):
+            try:
+                out.append(fields.argument(x))
+            except Refused as e:
+                raise self.fail(f"{path}[{n}]", e.expected, e.got) from None
+        return tuple(out)
 
 
 _MISSING: Any = object()
-
-
-class _Said(str):
-    """A description of what was found, shown as is rather than quoted as a value."""
-
-
-def _string(v: object) -> str:
-    if not isinstance(v, str) or not v:
-        raise TypeError(v)
-    return v
-
-
-def _string_list(v: object) -> tuple[str, ...]:
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        raise TypeError(v)
-    return tuple(v)
-
-
-def _nonempty_list(v: object) -> tuple[str, ...]:
-    items = _string_list(v)
-    if not items or not items[0]:
-        raise ValueError(v)
-    return items
-
-
-def _positive_duration(v: object) -> float:
-    d = parse_duration(v)
-    if d <= 0:
-        raise ValueError(v)
-    return d
-
-
-def _optional_duration(v: object) -> float | None:
-    return None if v is None else _positive_duration(v)
-
-
-def _natural(v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise TypeError(v)
-    return v
-
-
-def _positive_int(v: object) -> int:
-    n = _natural(v)
-    if n == 0:
-        raise ValueError(v)
-    return n
-
-
-def _port(v: object) -> int:
-    n = _natural(v)
-    if not 0 <= n < 65536:
-        raise ValueError(v)
-    return n
-
-
-def _factor(v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 1 <= v < math.inf:
-        raise TypeError(v)
-    return float(v)
-
-
-def _fraction(v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
-        raise TypeError(v)
-    return float(v)
-
-
-def _boolean(v: object) -> bool:
-    if not isinstance(v, bool):
-        raise TypeError(v)
-    return v
+_STR, _DUR, _OPT_DUR = fields.STR, fields.DUR, fields.OPT_DUR
+_COMMAND = "a non-empty list of strings (the command and its arguments)"
+_NOT_DECLARED = ("a job that is not declared to beat cannot be judged by the absence of"
+                 " beats")
+# Plain YAML scalars kept as the text the user wrote (`--epochs, 3`, `X: 010`,
+# `backend: off`, which YAML 1.1 reads as false, `name: 2024`).
+_AS_TEXT = (
+    ("gpu", "backend"),
+    ("jobs", "*", "name"),
+    ("jobs", "*", "command", "*"),
+    ("jobs", "*", "resume_args", "*"),
+    ("jobs", "*", "env", "*"),
+    ("policies", "*", "exec", "*"),
+)
 
 
 def _env(r: _Reader, raw: object, path: str) -> dict[str, str]:
@@ -319,57 +263,15 @@ def _env(r: _Reader, raw: object, path: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for k, x in raw.items():
         if not isinstance(k, str) or not k or "=" in k or "\0" in k:
-            raise r.fail(path, "variable names without '='", k)
+            raise r.fail(path, "variable names without '=' or NUL bytes", k)
+        where = f"{path}.{fields.key(k)}"
         if isinstance(x, dict | list) or x is None:
-            raise r.fail(f"{path}.{k}", "a string, number or true/false", x)
-        out[k] = str(x).lower() if isinstance(x, bool) else str(x)
+            raise r.fail(where, "a string, number or true/false", x)
+        try:
+            out[k] = fields.argument(x)
+        except Refused as e:
+            raise r.fail(where, e.expected, e.got) from None
     return out
-
-
-def _job_name(v: object) -> str:
-    if not isinstance(v, str) or not _JOB_NAME.match(v):
-        raise ValueError(v)
-    return v
-
-
-def _pattern(v: object) -> str:
-    if not isinstance(v, str) or v.count("{step}") != 1 or "/" in v:
-        raise ValueError(v)
-    return v
-
-
-def _backend(v: object) -> str:
-    if v not in ("auto", "nvml", "sim", "off"):
-        raise ValueError(v)
-    return str(v)
-
-
-def _layout(v: object) -> str:
-    if v != "generic":
-        raise ValueError(v)
-    return "generic"
-
-
-_CHECKS: dict[str, Any] = {
-    "a non-empty string": _string,
-    "a list of strings": _string_list,
-    "a non-empty list of strings (the command and its arguments)": _nonempty_list,
-    "a duration such as 30s, 5m or 24h": _positive_duration,
-    "a duration such as 30s, 5m or 24h, or null": _optional_duration,
-    "an integer >= 0": _natural,
-    "an integer >= 1": _positive_int,
-    "a port number 1-65535, or 0 for off": _port,
-    "a number >= 1": _factor,
-    "a fraction 0 <= x < 1": _fraction,
-    "true or false": _boolean,
-    "a name of letters, digits, '_', '.', '-' (at most 63)": _job_name,
-    "a file name pattern with one {step} and no '/'": _pattern,
-    "auto, nvml, sim or off": _backend,
-    "generic": _layout,
-}
-_STR = "a non-empty string"
-_DUR = "a duration such as 30s, 5m or 24h"
-_OPT_DUR = "a duration such as 30s, 5m or 24h, or null"
 
 
 def _action(r: _Reader, where: str, act: object) -> Action:
@@ -383,18 +285,31 @@ def _action(r: _Reader, where: str, act: object) -> Action:
     return action
 
 
+def _actions(r: _Reader, raw: object, path: str) -> dict[FaultKind, Action]:
+    detected = ", ".join(sorted(k.value for k in DETECTED_KINDS))
+    known = {k.value for k in FaultKind}
+    m = r.mapping(raw, path, known, f"one of {detected}")
+    actions = dict(DEFAULT_ACTIONS)
+    for kind, act in m.items():
+        where = f"{path}.{kind}"
+        if FaultKind(kind) not in DETECTED_KINDS:
+            # An action for a fault nothing raises would promise a response that never comes.
+            raise r.fail(where, f"a fault kind this version detects ({detected})",
+                         Said(f"{kind}, which no detector raises yet"))
+        actions[FaultKind(kind)] = _action(r, where, act)
+    return actions
+
+
 def _policy(r: _Reader, name: str, raw: object) -> Policy:
     path = f"policies.{name}"
     m = r.mapping(raw, path, {"max_restarts", "window", "backoff", "kill_grace", "actions",
                               "xid_actions", "escalate", "exec"})
     d = Policy()
-    b = r.mapping(
-        m.get("backoff"), f"{path}.backoff", {"initial", "factor", "max", "jitter", "reset_after"}
-    )
     bp = f"{path}.backoff"
+    b = r.mapping(m.get("backoff"), bp, {"initial", "factor", "max", "jitter", "reset_after"})
     backoff = Backoff(
-        initial=r.get(b, "initial", bp, _DUR, d.backoff.initial),
-        factor=r.get(b, "factor", bp, "a number >= 1", d.backoff.factor),
+        initial=r.get(b, "initial", bp, fields.DUR0, d.backoff.initial),
+        factor=r.get(b, "factor", bp, fields.FACTOR, d.backoff.factor),
         max=r.get(b, "max", bp, _DUR, d.backoff.max),
         jitter=r.get(b, "jitter", bp, "a fraction 0 <= x < 1", d.backoff.jitter),
         reset_after=r.get(b, "reset_after", bp, _DUR, d.backoff.reset_after),
@@ -402,24 +317,18 @@ def _policy(r: _Reader, name: str, raw: object) -> Policy:
     if backoff.max < backoff.initial:
         got = b.get("max", _MISSING)
         if got is _MISSING:
-            got = _Said(f"the default {backoff.max:g}s")
+            got = Said(f"the default {backoff.max:g}s")
         raise r.fail(f"{bp}.max", f"at least initial ({backoff.initial:g}s)", got)
-    actions = dict(DEFAULT_ACTIONS)
-    kinds = {k.value for k in FaultKind}
-    raw_actions = r.mapping(m.get("actions"), f"{path}.actions", kinds)
-    for kind, act in raw_actions.items():
-        where = f"{path}.actions.{kind}"
-        actions[FaultKind(kind)] = _action(r, where, act)
     xid_actions: dict[int | str, Action] = {}
     classes = {c.value for c in Immediate}
     raw_xid = m.get("xid_actions") or {}
     if not isinstance(raw_xid, dict):
         raise r.fail(f"{path}.xid_actions", "a mapping of Xids or Xid classes to actions", raw_xid)
     for key, act in raw_xid.items():
-        where = f"{path}.xid_actions.{key}"
-        if isinstance(key, str) and key.isdigit():
+        where = f"{path}.xid_actions.{fields.key(key)}"
+        if isinstance(key, str) and key.isdigit() and len(key) < 10:
             key = int(key)  # "79", as JSON writes every key
-        xid_number = isinstance(key, int) and not isinstance(key, bool) and key > 0
+        xid_number = isinstance(key, int) and not isinstance(key, bool) and 0 < key < 1 << 31
         if not xid_number and key not in classes:
             raise r.fail(where, "an Xid number or a class (" + ", ".join(sorted(classes)) + ")",
                          key)
@@ -427,40 +336,77 @@ def _policy(r: _Reader, name: str, raw: object) -> Policy:
     ep = f"{path}.escalate"
     e = r.mapping(m.get("escalate"), ep, {"after", "window"})
     escalate = Escalate(
-        after=r.get(e, "after", ep, "an integer >= 1", d.escalate.after),
+        after=r.get(e, "after", ep, fields.POSITIVE, d.escalate.after),
         window=r.get(e, "window", ep, _DUR, d.escalate.window),
     )
+    raw_exec = m.get("exec")
     return Policy(
         name=name,
         xid_actions=xid_actions,
         escalate=escalate,
-        exec=r.get(m, "exec", path, "a list of strings", ()),
-        max_restarts=r.get(m, "max_restarts", path, "an integer >= 0", d.max_restarts),
+        exec=() if raw_exec is None else r.arguments(raw_exec, f"{path}.exec",
+                                                     "a list of strings"),
+        max_restarts=r.get(m, "max_restarts", path, fields.NATURAL, d.max_restarts),
         window=r.get(m, "window", path, _DUR, d.window),
         backoff=backoff,
         kill_grace=r.get(m, "kill_grace", path, _DUR, d.kill_grace),
-        actions=actions,
+        actions=_actions(r, m.get("actions"), f"{path}.actions"),
     )
 
 
-def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job:
-    path = f"jobs[{i}]"
-    keys = {
-        "name", "command", "workdir", "user", "env", "resume_args", "checkpoints",
-        "heartbeat", "policy", "gpus",
-    }
-    m = r.mapping(raw, path, keys)
-    if not m:
-        raise r.fail(path, "a mapping with name and command", raw)
-    name = r.get(m, "name", path, "a name of letters, digits, '_', '.', '-' (at most 63)", _MISSING)
-    command = r.get(
-        m, "command", path, "a non-empty list of strings (the command and its arguments)", _MISSING
-    )
-    resume_args = r.get(m, "resume_args", path, "a list of strings", ())
-    if resume_args and not any("{checkpoint}" in a for a in resume_args):
-        raise r.fail(
-            f"{path}.resume_args", "an argument containing {checkpoint}", list(resume_args)
+def _heartbeat(r: _Reader, raw: object, hp: str) -> Heartbeat:
+    h = r.mapping(raw, hp, {"timeout", "startup_timeout", "learned", "required", "ranks"})
+    learned: Learned | None = None
+    if h.get("learned") not in (None, False):
+        lp = f"{hp}.learned"
+        raw_l = {} if h["learned"] is True else h["learned"]
+        lm = r.mapping(raw_l, lp, {"factor", "floor", "min_samples"})
+        dl = Learned()
+        learned = Learned(
+            factor=r.get(lm, "factor", lp, fields.FACTOR, dl.factor),
+            floor=r.get(lm, "floor", lp, _DUR, dl.floor),
+            min_samples=r.get(lm, "min_samples", lp, fields.POSITIVE, dl.min_samples),
         )
+    heartbeat = Heartbeat(
+        timeout=r.get(h, "timeout", hp, _DUR, Heartbeat.timeout),
+        startup_timeout=r.get(h, "startup_timeout", hp, _OPT_DUR, None),
+        learned=learned,
+        required=r.get(h, "required", hp, "true or false", False),
+        ranks=r.get(h, "ranks", hp, fields.RANKS, None),
+    )
+    if heartbeat.startup_timeout is not None and not heartbeat.required:
+        raise r.fail(f"{hp}.startup_timeout", "it only with heartbeat.required: true",
+                     Said(f"{show(h['startup_timeout'])} without it ({_NOT_DECLARED})"))
+    return heartbeat
+
+
+def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy],
+         seen: set[str], backend: str) -> Job:
+    said = raw.get("name") if isinstance(raw, dict) else None
+    usable = isinstance(said, str) and fields.NAME_RE.match(said) and said not in seen
+    m = r.mapping(raw, f"jobs.{said}" if usable else f"jobs[{i}]", {
+        "name", "command", "workdir", "user", "group", "env", "resume_args", "checkpoints",
+        "heartbeat", "policy", "gpus",
+    })
+    if not m:
+        raise r.fail(f"jobs[{i}]", "a mapping with name and command", raw)
+    name = r.get(m, "name", f"jobs[{i}]", fields.NAME, _MISSING)
+    if name in seen:
+        raise r.fail(f"jobs[{i}].name", "a name used by one job only", name)
+    seen.add(name)
+    path = f"jobs.{name}"  # from here on the job is named by its name
+    command = r.arguments(m.get("command", _MISSING), f"{path}.command", _COMMAND)
+    if not command:
+        raise r.fail(f"{path}.command", _COMMAND, [])
+    if not command[0]:
+        raise r.fail(f"{path}.command[0]", "the program to run (a non-empty string)", "")
+    check_command(command, backend, lambda n: f"{r.source}: {path}.command[{n}]")
+    raw_resume = m.get("resume_args")
+    resume_args = () if raw_resume is None else r.arguments(
+        raw_resume, f"{path}.resume_args", "a list of strings")
+    if resume_args and not any("{checkpoint}" in a for a in resume_args):
+        raise r.fail(f"{path}.resume_args", "an argument containing {checkpoint}",
+                     list(resume_args))
 
     cp = f"{path}.checkpoints"
     c = r.mapping(
@@ -475,27 +421,9 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
         ),
         marker=r.get(c, "marker", cp, _STR, None),
         quiet_for=r.get(c, "quiet_for", cp, _OPT_DUR, None),
-        bad_after=r.get(c, "bad_after", cp, "an integer >= 1", dc.bad_after),
+        bad_after=r.get(c, "bad_after", cp, fields.POSITIVE, dc.bad_after),
     )
-
-    hp = f"{path}.heartbeat"
-    h = r.mapping(m.get("heartbeat"), hp, {"timeout", "startup_timeout", "learned"})
-    learned: Learned | None = None
-    if h.get("learned") not in (None, False):
-        lp = f"{hp}.learned"
-        raw_l = {} if h["learned"] is True else h["learned"]
-        lm = r.mapping(raw_l, lp, {"factor", "floor", "min_samples"})
-        dl = Learned()
-        learned = Learned(
-            factor=r.get(lm, "factor", lp, "a number >= 1", dl.factor),
-            floor=r.get(lm, "floor", lp, _DUR, dl.floor),
-            min_samples=r.get(lm, "min_samples", lp, "an integer >= 1", dl.min_samples),
-        )
-    heartbeat = Heartbeat(
-        timeout=r.get(h, "timeout", hp, _DUR, Heartbeat.timeout),
-        startup_timeout=r.get(h, "startup_timeout", hp, _OPT_DUR, None),
-        learned=learned,
-    )
+    heartbeat = _heartbeat(r, m.get("heartbeat"), f"{path}.heartbeat")
 
     policy = r.get(m, "policy", path, _STR, "default")
     if policy not in policies:
@@ -506,13 +434,14 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
     devices = g.get("devices")
     if devices is not None and (
         not isinstance(devices, list) or not devices
-        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in devices)
+        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_SIM_GPUS
+                   for x in devices)
         or len(set(devices)) != len(devices)
     ):
         raise r.fail(f"{gp}.devices", "a list of distinct GPU indices, or null for all", devices)
     gpus = Gpus(
         devices=tuple(devices) if devices is not None else None,
-        min=r.get(g, "min", gp, "an integer >= 1", 1),
+        min=r.get(g, "min", gp, fields.POSITIVE, 1),
     )
     if gpus.devices is not None and gpus.min > len(gpus.devices):
         raise r.fail(f"{gp}.min", f"at most the {len(gpus.devices)} devices listed", gpus.min)
@@ -522,11 +451,47 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy]) -> Job
         command=command,
         workdir=r.get(m, "workdir", path, _STR, None),
         user=r.get(m, "user", path, _STR, None),
+        group=r.get(m, "group", path, _STR, None),
         env=_env(r, m.get("env"), f"{path}.env"),
         resume_args=resume_args,
         checkpoints=checkpoints,
         heartbeat=heartbeat,
         policy=policy,
+    )
+
+
+def check_command(command: Sequence[str], backend: str, where: Any) -> None:
+    """{num_gpus} needs GPUs counted: refuse it where nothing counts them.
+
+    ``where(n)`` names the n-th argument in the message."""
+    if backend != "off":
+        return
+    for n, arg in enumerate(command):
+        if "{num_gpus}" in arg:
+            raise ConfigError(
+                f"{where(n)}: expected no {{num_gpus}} with gpu.backend: off (no GPUs are"
+                f" counted, so it has no value), got {show(arg)}"
+            )
+
+
+def _gpu(r: _Reader, raw: object) -> Gpu:
+    gm = r.mapping(raw, "gpu", {"backend", "count", "poll_interval", "kmsg", "thermal_sustain",
+                                "recheck_after"})
+    backend = r.get(gm, "backend", "gpu", "auto, nvml, sim or off", Gpu.backend)
+    count = r.get(gm, "count", "gpu", fields.NATURAL, Gpu.count)
+    if count > MAX_SIM_GPUS:
+        raise r.fail("gpu.count", f"at most {MAX_SIM_GPUS} simulated GPUs", count)
+    if backend == "sim" and not count:
+        raise r.fail("gpu.count", "the number of GPUs to simulate (>= 1) with backend sim",
+                     gm.get("count", _MISSING))
+    return Gpu(
+        backend=backend,
+        count=count,
+        poll_interval=r.get(gm, "poll_interval", "gpu", _DUR, Gpu.poll_interval),
+        kmsg=r.get(gm, "kmsg", "gpu", _STR, Gpu.kmsg) if gm.get("kmsg", "") is not None
+        else None,
+        thermal_sustain=r.get(gm, "thermal_sustain", "gpu", _DUR, Gpu.thermal_sustain),
+        recheck_after=r.get(gm, "recheck_after", "gpu", _OPT_DUR, Gpu.recheck_after),
     )
 
 
@@ -542,27 +507,21 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         raise r.fail("policies", "a mapping of policy names to policies", raw_policies)
     policies = {"default": Policy()}
     for pname, praw in raw_policies.items():
-        policies[str(pname)] = _policy(r, str(pname), praw)
+        if not isinstance(pname, str) or not fields.NAME_RE.match(pname):
+            raise r.fail(f"policies.{fields.key(pname)}",
+                         fields.NAME.replace("a name", "a policy name"), pname)
+        policies[pname] = _policy(r, pname, praw)
 
+    gpu = _gpu(r, m.get("gpu"))
     raw_jobs = m.get("jobs", _MISSING)
     if not isinstance(raw_jobs, list) or not raw_jobs:
         raise r.fail("jobs", "a non-empty list of jobs", raw_jobs)
-    jobs = tuple(_job(r, i, j, policies) for i, j in enumerate(raw_jobs))
     seen: set[str] = set()
-    for i, j in enumerate(jobs):
-        if j.name in seen:
-            raise r.fail(f"jobs[{i}].name", "a name used by one job only", j.name)
-        seen.add(j.name)
+    jobs = tuple(_job(r, i, j, policies, seen, gpu.backend) for i, j in enumerate(raw_jobs))
 
     mm = r.mapping(m.get("metrics"), "metrics", {"address", "port"})
-    gm = r.mapping(m.get("gpu"), "gpu",
-                   {"backend", "count", "poll_interval", "kmsg", "thermal_sustain",
-                    "recheck_after"})
     run_dir = r.get(m, "run_dir", "", _STR, run_default)
     _check_socket_paths(r, run_dir, jobs)
-    if gm.get("backend") == "sim" and not gm.get("count"):
-        raise r.fail("gpu.count", "the number of GPUs to simulate (>= 1) with backend sim",
-                     gm.get("count", _MISSING))
     return Config(
         state_dir=r.get(m, "state_dir", "", _STR, state_default),
         run_dir=run_dir,
@@ -573,108 +532,78 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
             port=r.get(mm, "port", "metrics", "a port number 1-65535, or 0 for off",
                        Metrics.port),
         ),
-        gpu=Gpu(
-            backend=r.get(gm, "backend", "gpu", "auto, nvml, sim or off", Gpu.backend),
-            count=r.get(gm, "count", "gpu", "an integer >= 0", Gpu.count),
-            poll_interval=r.get(gm, "poll_interval", "gpu", _DUR, Gpu.poll_interval),
-            kmsg=r.get(gm, "kmsg", "gpu", _STR, Gpu.kmsg) if gm.get("kmsg", "") is not None
-            else None,
-            thermal_sustain=r.get(gm, "thermal_sustain", "gpu", _DUR, Gpu.thermal_sustain),
-            recheck_after=r.get(gm, "recheck_after", "gpu", _OPT_DUR, Gpu.recheck_after),
-        ),
+        gpu=gpu,
         observe_only=r.get(m, "observe_only", "", "true or false", False),
         source=source,
     )
 
 
+def socket_room(run_dir: str, job: str) -> int | None:
+    """None when the job's socket fits sun_path; else the longest run_dir that would."""
+    over = len(os.fsencode(socket_path(run_dir, job))) - MAX_SOCKET_PATH
+    return None if over <= 0 else len(os.fsencode(run_dir)) - over
+
+
+def socket_problem(run_dir: str, job: str) -> str | None:
+    """Why run_dir cannot hold this job's socket ("expected ..., got ..."), or None."""
+    most = socket_room(run_dir, job)
+    if most is None:
+        return None
+    return (f"expected a path of at most {most} bytes, so that job {job}'s socket"
+            f" jobs/{job}.sock fits an AF_UNIX address ({MAX_SOCKET_PATH} bytes), got"
+            f" {len(os.fsencode(run_dir))} bytes: {show(run_dir, 300)}")
+
+
 def _check_socket_paths(r: _Reader, run_dir: str, jobs: tuple[Job, ...]) -> None:
-    """Each job's socket, run_dir/<name>.sock, must fit in sockaddr_un.sun_path."""
-    for i, j in enumerate(jobs):
-        if len(os.fsencode(socket_path(run_dir, j.name))) > MAX_SOCKET_PATH:
-            most = MAX_SOCKET_PATH - len(os.fsencode(socket_path(run_dir, j.name)))
-            most += len(os.fsencode(run_dir))
-            raise r.fail(
-                "run_dir",
-                f"a path of at most {most} bytes, so that jobs[{i}]'s socket {j.name}.sock"
-                f" fits an AF_UNIX address ({MAX_SOCKET_PATH} bytes)",
-                _Said(f"{len(os.fsencode(run_dir))} bytes: {run_dir!r}"),
-            )
+    """Each job's socket, run_dir/jobs/<name>.sock, must fit in sockaddr_un.sun_path."""
+    for j in jobs:
+        problem = socket_problem(run_dir, j.name)
+        if problem is not None:
+            raise ConfigError(f"{r.source}: run_dir: {problem}")
 
 
-def _resolve(config: Config, base: Path) -> Config:
+def _resolve(r: _Reader, config: Config, base: Path) -> Config:
     """Relative paths in a file are relative to the file's folder; a job's
     checkpoint dir is relative to its workdir when it has one."""
 
-    def absolute(p: str | None, root: Path) -> str | None:
-        return None if p is None else str((root / os.path.expanduser(p)).resolve())
+    def absolute(p: str | None, root: Path, where: str) -> str | None:
+        if p is None:
+            return None
+        try:
+            return str((root / os.path.expanduser(p)).resolve())
+        except (OSError, RuntimeError) as e:  # a symlink loop, say
+            raise r.fail(where, "a path that resolves", Said(f"{show(p)}: {e}")) from None
 
     jobs = []
     for j in config.jobs:
-        workdir = absolute(j.workdir, base)
+        workdir = absolute(j.workdir, base, f"jobs.{j.name}.workdir")
         root = Path(workdir) if workdir else base
-        cp = replace(j.checkpoints, dir=absolute(j.checkpoints.dir, root))
+        cp = replace(j.checkpoints, dir=absolute(j.checkpoints.dir, root,
+                                                 f"jobs.{j.name}.checkpoints.dir"))
         jobs.append(replace(j, workdir=workdir, checkpoints=cp))
     return replace(
         config,
         jobs=tuple(jobs),
-        state_dir=absolute(config.state_dir, base) or config.state_dir,
-        run_dir=absolute(config.run_dir, base) or config.run_dir,
+        state_dir=absolute(config.state_dir, base, "state_dir") or config.state_dir,
+        run_dir=absolute(config.run_dir, base, "run_dir") or config.run_dir,
     )
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
-
-
-class _DuplicateKey(yaml.constructor.ConstructorError):
-    def __init__(self, key: object, mark: yaml.Mark) -> None:
-        super().__init__(None, None, f"{key!r} again", mark)
-
-
-def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        try:
-            duplicate = key in seen
-        except TypeError:  # an unhashable key; construct_mapping reports it
-            continue
-        if duplicate:
-            raise _DuplicateKey(key, key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _unique_mapping,
-)
-
-
 def load(path: str | os.PathLike[str]) -> Config:
-    """Read and validate a YAML config file."""
+    """Read and validate a YAML config file (at most 1 MiB, aliases bounded)."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(f"{p}: cannot read: {e.strerror or e}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"{p}: byte {e.start}: expected UTF-8 text, got {e.object[e.start : e.start + 1]!r}"
-        ) from None
+        raw = yamldoc.read(p, _AS_TEXT)
+    except yamldoc.DocumentError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    r = _Reader(str(p))
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "top level"
-        if isinstance(e, _DuplicateKey):
-            raise ConfigError(f"{p}: {where}: expected each key once, got {e.problem}") from None
-        said = [getattr(e, "context", None), getattr(e, "problem", None)]
-        problem = ", ".join(x for x in said if x) or str(e)
-        raise ConfigError(f"{p}: {where}: expected valid YAML, got an error: {problem}") from None
-    config = _resolve(from_mapping(raw, str(p)), p.resolve().parent)
+        config = _resolve(r, from_mapping(raw, str(p)), p.resolve().parent)
+    except RecursionError:  # nothing above recurses on values; if it ever does: one line
+        raise ConfigError(f"{p}: top level: expected nesting at most {yamldoc.MAX_DEPTH}"
+                          " deep, got deeper") from None
     # A relative run_dir is only as long as it is once resolved.
-    _check_socket_paths(_Reader(str(p)), config.run_dir, config.jobs)
+    _check_socket_paths(r, config.run_dir, config.jobs)
     return config
 
 

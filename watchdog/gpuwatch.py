@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainwatch import atomic
+from trainwatch import atomic, statewrites
 from trainwatch.config import ConfigError, Gpu
 from trainwatch.drill import Overlay
 from trainwatch.gpuhealth import GpuHealth
@@ -245,7 +245,7 @@ class GpuWatch:
         try:
             atomic.write_json(self._exclusions, {"excluded": self.health.excluded()})
         except OSError as e:  # the exclusion holds in memory; it is lost only on restart
-            log.error("%s: cannot save the GPU exclusions: %s", self._exclusions, e.strerror or e)
+            statewrites.failed("gpus", self._exclusions, e)
 
     def healthy(self, devices: tuple[int, ...] | None) -> list[int]:
         """Of these GPUs (None: all), the ones not excluded."""

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
-from trainwatch import hook, status
+from trainwatch import credentials, hook, status
 from trainwatch.attempt import Attempt
 from trainwatch.catalog import Catalog, Entry, Summary
 from trainwatch.config import Config, Job, socket_path
@@ -119,6 +119,8 @@ class JobRunner:
         rng: random.Random | None = None,
         gpus: GpuWatch | None = None,
         events: Events | None = None,
+        die_with_parent: bool = False,
+        umask: int = -1,
     ) -> None:
         self.config = config
         self.events = events if events is not None else Events(None)
@@ -140,7 +142,9 @@ class JobRunner:
         self.state: JobState | None = None
         self.attempt: Attempt | None = None
         self.number = -1
-        self.ranks = Ranks(started=clock())
+        self.die_with_parent = die_with_parent  # trainwatch run: the job dies with it
+        self.umask = umask  # the job's, not trainwatch's own 0o077
+        self.ranks = Ranks(started=clock(), max_ranks=job.heartbeat.max_ranks)
         self.ever_beaten = False
         self.last_step: int | None = None  # the step this attempt has reached
         self.hang_latched = False  # a hang already reported and not acted on
@@ -148,10 +152,15 @@ class JobRunner:
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
         self.drill: DrillNotice | None = None
+        self._over_cap_before = 0  # beats of ranks beyond the cap, in earlier attempts
+        self._output_dropped_before = 0  # bytes of output lost by earlier attempts
         self.published_step: int | None = None
         self.published_at = 0.0
         self.socket_path = socket_path(config.run_dir, job.name)
-        self.socket = HeartbeatSocket(self.socket_path, self._believe, clock)
+        ident = credentials.resolve(job.user, job.group)
+        # Only the job's user (and root) may reach its socket at all.
+        self.socket = HeartbeatSocket(self.socket_path, self._believe, clock,
+                                      owner=(ident.uid, ident.gid) if ident else None)
         self.socket_poll_at = 0.0  # 0: waiting on the socket; else: next poll of it
         self.socket_wake_until = 0.0  # until then, wake on every datagram
         # For the exporter: the catalog's summary, and the time faults cost.
@@ -201,8 +210,20 @@ class JobRunner:
                 "resumed_from": a.resume_from if a else None,
                 "observe_only": self.config.observe_only,
                 "datagrams": dataclasses.asdict(self.socket.counters),
+                "ranks_over_cap": self.ranks_over_cap,
             },
         )
+
+    @property
+    def ranks_over_cap(self) -> int:
+        """Beats dropped because their rank was beyond the job's cap, every attempt."""
+        return self._over_cap_before + self.ranks.over_cap
+
+    @property
+    def output_dropped(self) -> int:
+        """Bytes of the job's output lost (log or passthrough), every attempt."""
+        a = self.attempt
+        return self._output_dropped_before + (a.dropped if a is not None else 0)
 
     @property
     def done(self) -> bool:
@@ -252,6 +273,8 @@ class JobRunner:
                 self.dir / "logs",
                 self.passthrough,
                 gpus,
+                die_with_parent=self.die_with_parent,
+                umask=self.umask,
             )
         except (OSError, KeyError) as e:  # KeyError: no such user
             why = f"no such user {self.job.user!r}"
@@ -262,12 +285,16 @@ class JobRunner:
             log.error("job %s: %s", self.job.name, what)
             self._to(JobState.FATAL, what)
             return
+        if self.attempt is not None:
+            self._output_dropped_before += self.attempt.dropped
         self.attempt = a
         if self.first_started is None:
             self.first_started = a.started
         intervals = self.ranks.intervals  # the faulted attempt's seconds per step
         step_s = statistics.median(intervals) if intervals else 0.0
-        self.ranks = Ranks(started=a.started)
+        self._over_cap_before += self.ranks.over_cap  # counters that outlive an attempt
+        self.ranks = Ranks(started=a.started, max_ranks=self.job.heartbeat.max_ranks)
+        self.socket.forget_senders()  # the last attempt's processes are no longer ours
         self.hang_latched = False
         self.drill = None  # a notice for the attempt before is not this one's
         reached, self.last_step = self.last_step, cp.step if cp else None
@@ -351,6 +378,8 @@ class JobRunner:
             return  # a late beat from an attempt being stopped
         first = not self.ranks.beaten
         new_pid = self.ranks.observe(b)
+        if new_pid is None:
+            return  # a rank beyond the job's cap: dropped and counted
         self.hang_latched = False
         self.ever_beaten = True
         if self.last_step is None or b.step > self.last_step:

@@ -4,11 +4,12 @@ incidents`` reads. Times are wall-clock Unix seconds."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-import logging
 import os
 import sqlite3
+import stat
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainwatch import atomic, statewrites
+from trainwatch.atomic import FILE_MODE
+from trainwatch.ownership import set_mode
 from trainwatch.types import Fault, JobState
 
 _SCHEMA = """
@@ -55,7 +59,6 @@ CREATE INDEX IF NOT EXISTS transitions_job ON transitions (job, id);
 """
 
 LEDGER_NAME = "ledger.db"
-log = logging.getLogger("trainwatch")
 
 
 @dataclass(frozen=True)
@@ -67,41 +70,98 @@ class Relaunch:
 
 
 def _survive(default: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A failed write (disk full, I/O error) is logged and survived: losing a
-    ledger row is better than a supervisor that dies and leaves its job behind."""
+    """A failed write (disk full, I/O error, a value SQLite cannot bind) is
+    logged, counted and survived: losing a ledger row is better than a
+    supervisor that dies and leaves its job behind. A write to the in-memory
+    stand-in counts as failed too: it will not outlive this process."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def guarded(self: Ledger, *args: Any, **kwargs: Any) -> Any:
             try:
-                return fn(self, *args, **kwargs)
-            except sqlite3.Error as e:
-                self.errors += 1
-                log.error("ledger %s: %s failed: %s", self.path, fn.__name__, e)
+                out = fn(self, *args, **kwargs)
+            except (sqlite3.Error, ValueError, TypeError, OverflowError) as e:
+                self._failed(f"{fn.__name__} failed", e)
                 return default
+            if not self.persistent:
+                self._failed("kept in memory only", _NOT_PERSISTENT)
+            return out
 
         return guarded
 
     return wrap
 
 
+_NOT_PERSISTENT = OSError("the ledger file could not be opened for writing")
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _int(v: Any) -> Any:
+    """An integer SQLite can store: a value past int64 (from a job's datagram)
+    is clamped; the evidence JSON keeps it whole."""
+    if isinstance(v, int) and not isinstance(v, bool) and not _INT64[0] <= v <= _INT64[1]:
+        return max(_INT64[0], min(_INT64[1], v))
+    return v
+
+
+def _evidence(evidence: Any) -> str:
+    """JSON of whatever a detector put in the evidence; never raises."""
+    try:
+        return json.dumps(evidence, sort_keys=True, default=repr)
+    except (TypeError, ValueError):  # keys of mixed types, a cycle
+        return json.dumps({"repr": repr(evidence)[:4096]})
+
+
+def _open_file(path: Path) -> sqlite3.Connection:
+    """The ledger file, created 0640 (SQLite gives -wal and -shm the same mode)
+    and brought to it if it was looser."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    os.close(fd)
+    for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_IMODE(os.lstat(p).st_mode) != FILE_MODE:
+                set_mode(p, FILE_MODE)
+    db = sqlite3.connect(path, timeout=5, isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(_SCHEMA)
+    except sqlite3.Error:
+        db.close()
+        raise
+    return db
+
+
 class Ledger:
     def __init__(self, state_dir: str | os.PathLike[str], readonly: bool = False) -> None:
+        """``readonly``: for the CLI; raises FileNotFoundError when there is no
+        ledger. Otherwise it never raises: when the file cannot be opened for
+        writing (read-only or full state_dir) the ledger lives in memory, every
+        write to it is counted as failed, and supervision goes on."""
         path = Path(state_dir) / LEDGER_NAME
+        self.path = path
+        self.errors = 0  # writes that failed (or only reached memory) and were survived
+        self.persistent = True
         if readonly:
             if not path.exists():
                 raise FileNotFoundError(path)
             uri = f"file:{urllib.parse.quote(str(path))}?mode=ro"
             self.db = sqlite3.connect(uri, uri=True, timeout=5)
         else:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(path, timeout=5, isolation_level=None)
-            self.db.execute("PRAGMA journal_mode=WAL")
-            self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.executescript(_SCHEMA)
+            try:
+                atomic.makedirs(path.parent)
+                self.db = _open_file(path)
+            except (sqlite3.Error, OSError) as e:
+                self.persistent = False
+                self._failed("cannot open it for writing; incidents are kept in memory "
+                             "until trainwatch restarts", e)
+                self.db = sqlite3.connect(":memory:", isolation_level=None)
+                self.db.executescript(_SCHEMA)
         self.db.row_factory = sqlite3.Row
-        self.path = path
-        self.errors = 0  # writes that failed and were survived
+
+    def _failed(self, what: str, e: BaseException) -> None:
+        self.errors += 1
+        statewrites.failed("ledger", self.path, OSError(f"{what}: {e}"))
 
     @_survive(-1)
     def incident(
@@ -120,10 +180,10 @@ class Ledger:
             " observe_only, injected, attempt, onset_step, detection_latency_s, backoff_s)"
             " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
-                time.time(), fault.job, fault.kind.value, fault.rank, fault.gpu,
-                json.dumps(fault.evidence, sort_keys=True), action, decision,
-                int(observe_only), int(injected), attempt, fault.onset_step,
-                detection_latency, backoff,
+                time.time(), fault.job, fault.kind.value, _int(fault.rank), _int(fault.gpu),
+                _evidence(fault.evidence), action, decision,
+                int(observe_only), int(injected), _int(attempt), _int(fault.onset_step),
+                _int(detection_latency), _int(backoff),
             ),
         )
         assert cur.lastrowid is not None
@@ -134,7 +194,7 @@ class Ledger:
         self.db.execute(
             "UPDATE incidents SET relaunched_at=?, time_to_relaunch_s=? - time,"
             " resumed_from=?, resumed_step=?, steps_lost=? WHERE id=?",
-            (r.at, r.at, r.resumed_from, r.resumed_step, r.steps_lost, incident_id),
+            (r.at, r.at, r.resumed_from, _int(r.resumed_step), _int(r.steps_lost), incident_id),
         )
 
     @_survive(None)
@@ -144,7 +204,7 @@ class Ledger:
         self.db.execute(
             "INSERT INTO transitions (time, job, attempt, from_state, to_state, reason)"
             " VALUES (?,?,?,?,?,?)",
-            (time.time(), job, attempt, old.value if old else None, new.value, reason),
+            (time.time(), job, _int(attempt), old.value if old else None, new.value, reason),
         )
 
     def incidents(self, job: str | None = None) -> list[dict[str, Any]]:

@@ -28,14 +28,14 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from trainwatch import __version__
+from trainwatch import __version__, statewrites
 from trainwatch.detectors.gpu import CLOCK_EVENT_REASONS
 from trainwatch.gpuhealth import GpuState
-from trainwatch.types import FaultKind, GpuSample, JobState
+from trainwatch.metricsserver import MetricsServer
+from trainwatch.types import DETECTED_KINDS, GpuSample, JobState
 
 if TYPE_CHECKING:
     from trainwatch.job import JobRunner
@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 # ``_created`` series double the counters for nothing a dashboard uses.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
 
-# Onset -> detection: a crash is seen in milliseconds, a hang after its timeout.
+# Onset -> detection: an Xid in milliseconds, a hang after its timeout (a crash's onset
+# is unknown: not observed).
 DETECTION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600,
                      1800)
 # Detection -> relaunch: kill grace plus backoff.
@@ -81,7 +82,7 @@ class Events:
 
     def add_job(self, job: str) -> None:
         """Every series of a job from zero, so that the first fault is an increase."""
-        for kind in FaultKind:
+        for kind in DETECTED_KINDS:
             self.faults.labels(job, kind.value)
             self.restarts.labels(job, kind.value)
         self.detection.labels(job)
@@ -134,6 +135,7 @@ class StateCollector(Collector):
         errors = _counter("trainwatch_source_errors", "Failed reads, by source.", ["source"])
         sup = self.sup
         up.add_metric(["loop"], 1)
+        errors.add_metric(["loop"], sup.loop_errors)
         w = sup.gpus
         if w is not None:
             for src in w.sources():
@@ -153,6 +155,12 @@ class StateCollector(Collector):
                           "Ledger writes that failed and were survived.")
         ledger.add_metric([], sup.ledger.errors)
         yield ledger
+        writes = _counter("trainwatch_state_write_errors",
+                          "Writes of trainwatch's own files that failed and were survived, "
+                          "by file: ledger, status, catalog, log, gpus.", ["file"])
+        for kind, n in statewrites.counts().items():
+            writes.add_metric([kind], n)
+        yield writes
 
     # --- GPUs ---------------------------------------------------------------------
 
@@ -266,6 +274,9 @@ class StateCollector(Collector):
                       "resume step until the first heartbeat).", j)
         loss = _gauge("trainwatch_job_loss", "Last loss reported (lowest rank reporting one).", j)
         grad = _gauge("trainwatch_job_grad_norm", "Last gradient norm reported.", j)
+        loss_step = _gauge("trainwatch_job_loss_step", "Step of the last loss reported.", j)
+        grad_step = _gauge("trainwatch_job_grad_norm_step",
+                           "Step of the last gradient norm reported.", j)
         nranks = _gauge("trainwatch_job_ranks", "Ranks heard from in this attempt.", j)
         gpus = _gauge("trainwatch_job_gpu", "1 for each GPU the current attempt was given.",
                       ["job", "gpu"])
@@ -288,6 +299,9 @@ class StateCollector(Collector):
                             "Datagrams received on the job's heartbeat socket.", j)
         dropped = _counter("trainwatch_heartbeat_dropped", "Datagrams dropped, by reason.",
                            ["job", "reason"])
+        output = _counter("trainwatch_job_output_dropped_bytes",
+                          "Bytes of the job's output not logged or passed through (a full "
+                          "disk, a stalled reader of trainwatch's output).", j)
         for r in self.sup.runners:
             name = r.job.name
             now = r.clock()
@@ -302,7 +316,8 @@ class StateCollector(Collector):
                     gpus.add_metric([name, str(g)], 1)
             if r.last_step is not None:
                 step.add_metric([name], r.last_step)
-            _last_values(r, name, loss, grad)
+            _last_values(r, name, {"loss": loss, "grad_norm": grad, "loss_step": loss_step,
+                                   "grad_norm_step": grad_step})
             nranks.add_metric([name], len(r.ranks.ranks))
             for rank, rv in sorted(r.ranks.ranks.items()):
                 rstep.add_metric([name, str(rank)], rv.step)
@@ -322,19 +337,42 @@ class StateCollector(Collector):
             received.add_metric([name], c.received)
             for reason in ("malformed", "oversized", "foreign"):
                 dropped.add_metric([name, reason], getattr(c, reason))
-        yield from (state, attempts, started, step, loss, grad, nranks, gpus, timeout, age,
-                    rstep, goodput, cp_step, cp_time, cps, received, dropped)
+            dropped.add_metric([name, "over_cap"], r.ranks_over_cap)
+            output.add_metric([name], r.output_dropped)
+        yield from (state, attempts, started, step, loss, grad, loss_step, grad_step, nranks,
+                    gpus, timeout, age, rstep, goodput, cp_step, cp_time, cps, received,
+                    dropped, output)
 
 
-def _last_values(r: JobRunner, name: str, loss: GaugeMetricFamily,
-                 grad: GaugeMetricFamily) -> None:
-    """The lowest rank's last loss and gradient norm (what rank 0 logs)."""
-    for attr, fam in (("loss", loss), ("grad_norm", grad)):
+def _last_values(r: JobRunner, name: str, families: dict[str, GaugeMetricFamily]) -> None:
+    """The lowest rank's last loss and gradient norm (what rank 0 logs), and the
+    step each was reported at: a beat without one keeps the last."""
+    for attr in ("loss", "grad_norm"):
         for _rank, rv in sorted(r.ranks.ranks.items()):
             v = getattr(rv, attr)
             if v is not None:
-                fam.add_metric([name], v)
+                families[attr].add_metric([name], v)
+                families[f"{attr}_step"].add_metric([name], getattr(rv, f"{attr}_step"))
                 break
+
+
+class ServerCollector(Collector):
+    """The /metrics server's own connections, read at scrape time."""
+
+    def __init__(self, exporter: Exporter) -> None:
+        self.exporter = exporter
+
+    def collect(self) -> Iterator[Metric]:
+        server = self.exporter.server
+        live = _gauge("trainwatch_metrics_connections",
+                      "Connections to the metrics port being served now.")
+        dropped = _counter("trainwatch_metrics_connections_dropped",
+                           "Connections to the metrics port closed by trainwatch, by reason: "
+                           "over_limit, timeout, error.", ["reason"])
+        live.add_metric([], server.open_connections if server is not None else 0)
+        for reason in ("over_limit", "timeout", "error"):
+            dropped.add_metric([reason], getattr(server.dropped, reason) if server else 0)
+        yield from (live, dropped)
 
 
 class Exporter:
@@ -344,20 +382,19 @@ class Exporter:
         self.registry = CollectorRegistry(auto_describe=False)
         self.events = Events(self.registry)
         self.registry.register(StateCollector(supervisor))
+        self.registry.register(ServerCollector(self))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        self._server: object | None = None
+        self.server: MetricsServer | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, address: str, port: int) -> None:
         """Raises OSError when the port cannot be bound."""
-        server, thread = start_http_server(port, address, self.registry)
-        self._server, self._thread = server, thread
+        self.server = MetricsServer(address, port, self.registry)
+        self._thread = self.server.start()
 
     def close(self) -> None:
-        server = self._server
+        server, self.server = self.server, None
         if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
-            self._server = None
+            server.stop()

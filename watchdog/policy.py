@@ -33,7 +33,13 @@ class RestartHistory:
 
 def backoff_delay(policy: Policy, consecutive: int, rng: random.Random) -> float:
     b = policy.backoff
-    base = min(b.max, b.initial * b.factor**consecutive)
+    # factor**n overflows a float after a thousand or so restarts: past the cap, stop.
+    base = b.initial
+    for _ in range(consecutive):
+        if base >= b.max:
+            break
+        base *= b.factor
+    base = min(b.max, base)
     # Jittered around the base but never past the cap, so that at the cap the
     # delays still spread (downwards).
     return min(b.max, max(0.0, base * (1 + rng.uniform(-b.jitter, b.jitter))))

@@ -1,5 +1,11 @@
-"""The heartbeat state of one attempt: per rank, its last beat, step and pid,
-and a bounded sample of step intervals from which a hang timeout is learned."""
+"""The heartbeat state of one attempt: per rank, its last beat, step, pid and
+how many beats it sent, and a bounded sample of step intervals from which a
+hang timeout is learned.
+
+Ranks are capped (``max_ranks``, the job's world size or 1,024): a beat whose
+rank is at or beyond the cap is dropped and counted (``over_cap``), so a job
+cannot grow trainwatch's memory or the exported ``rank`` series without bound.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from trainwatch.types import Beat, HeartbeatSnapshot, RankView
 
 _SAMPLE = 512  # recent step intervals kept per attempt (all ranks together)
 _P99_EVERY = 64  # recompute the p99 after this many new intervals
+MAX_RANKS = 1024  # the default cap when the job declares no world size
 
 
 @dataclass
@@ -19,21 +26,39 @@ class _Rank:
     pid: int
     loss: float | None = None
     grad_norm: float | None = None
+    beats: int = 1
+    # The step of the last beat that carried each value: a beat without one keeps
+    # the last (a client may send the loss every k steps only).
+    loss_step: int | None = None
+    grad_norm_step: int | None = None
+
+    def values(self, b: Beat) -> None:
+        if b.loss is not None:
+            self.loss, self.loss_step = b.loss, b.step
+        if b.grad_norm is not None:
+            self.grad_norm, self.grad_norm_step = b.grad_norm, b.step
 
 
 @dataclass
 class Ranks:
     started: float  # monotonic start of the attempt
+    max_ranks: int = MAX_RANKS  # ranks 0 .. max_ranks-1 are kept
     ranks: dict[int, _Rank] = field(default_factory=dict)
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=_SAMPLE))
     p99: float | None = None
+    over_cap: int = 0  # beats dropped: their rank was at or beyond max_ranks
     _since_p99: int = 0
 
-    def observe(self, b: Beat) -> bool:
-        """Record a beat; returns True when the rank or its pid is new."""
+    def observe(self, b: Beat) -> bool | None:
+        """Record a beat; returns True when the rank or its pid is new, False
+        otherwise, and None when the beat was dropped (rank over the cap)."""
         r = self.ranks.get(b.rank)
         if r is None:
-            self.ranks[b.rank] = _Rank(b.at, b.step, b.pid, b.loss, b.grad_norm)
+            if not 0 <= b.rank < self.max_ranks:
+                self.over_cap += 1
+                return None
+            self.ranks[b.rank] = r = _Rank(b.at, b.step, b.pid)
+            r.values(b)
             return True
         if b.step > r.step:
             # Seconds per step, so that a client beating every k steps still
@@ -41,7 +66,9 @@ class Ranks:
             self.intervals.append((b.at - r.last_beat) / (b.step - r.step))
             self._since_p99 += 1
         new_pid = r.pid != b.pid
-        r.last_beat, r.step, r.pid, r.loss, r.grad_norm = b.at, b.step, b.pid, b.loss, b.grad_norm
+        r.last_beat, r.step, r.pid = b.at, b.step, b.pid
+        r.values(b)
+        r.beats += 1
         return new_pid
 
     @property
@@ -67,7 +94,9 @@ class Ranks:
         return self.p99
 
     def snapshot(self, now: float, min_samples: int) -> HeartbeatSnapshot:
-        views = tuple(RankView(rank, r.last_beat, r.step) for rank, r in self.ranks.items())
+        views = tuple(
+            RankView(rank, r.last_beat, r.step, r.beats) for rank, r in self.ranks.items()
+        )
         return HeartbeatSnapshot(now, self.started, views, self.learned_p99(min_samples))
 
     def pids(self) -> dict[int, int]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pwd
 import selectors
 import shutil
 import signal
@@ -20,7 +19,7 @@ from types import FrameType
 from typing import Any
 
 import psutil
-from trainwatch import ownership, tree
+from trainwatch import credentials, joblock, ownership, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.control import ControlSocket
 from trainwatch.gpuwatch import GpuWatch
@@ -43,8 +42,10 @@ class Supervisor:
         jobs: tuple[Job, ...] | None = None,
         passthrough: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        die_with_parent: bool = False,
     ) -> None:
         self.config = config
+        self.die_with_parent = die_with_parent
         self.clock = clock
         for j in jobs if jobs is not None else config.jobs:
             _check_command(j)
@@ -68,6 +69,17 @@ class Supervisor:
 
     def _open(self, config: Config, jobs: tuple[Job, ...] | None, passthrough: bool,
               clock: Callable[[], float]) -> None:
+        # One supervisor per job and state_dir, whatever its run_dir: a flock there.
+        self.locks: list[joblock.JobLock] = []
+        try:
+            for j in jobs if jobs is not None else config.jobs:
+                ident = credentials.resolve(j.user, j.group)
+                gid = ident.gid if ident is not None and os.geteuid() == 0 else -1
+                self.locks.append(joblock.acquire(config.state_dir, j.name, gid))
+        except BaseException:
+            for lk in self.locks:
+                lk.release()
+            raise
         self.ledger = Ledger(config.state_dir)
         self.sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -83,11 +95,17 @@ class Supervisor:
             for j in jobs if jobs is not None else config.jobs:
                 self.runners.append(JobRunner(config, j, self.ledger, self.sel, passthrough,
                                               clock, gpus=self.gpus,
-                                              events=self.exporter.events))
-        except SocketInUse as e:
+                                              events=self.exporter.events,
+                                              die_with_parent=self.die_with_parent,
+                                              umask=self.job_umask))
+        except (SocketInUse, ownership.UnsafeDir) as e:
             for r in self.runners:
                 r.close()
             self.ledger.close()
+            for lk in self.locks:
+                lk.release()
+            if isinstance(e, ownership.UnsafeDir):
+                raise ConfigError(e.strerror or str(e)) from None
             raise ConfigError(f"{e}: is job {j.name!r} already supervised?") from None
         # The drills' way in (faultinject gpu-xid ...): root or the trainwatch group.
         self.control: ControlSocket | None = None
@@ -169,8 +187,10 @@ class Supervisor:
     def _reap_strays(self) -> None:
         """As a subreaper we inherit orphans that left the job's session; reap
         those that have exited, except a leader whose status its attempt collects."""
+        # A leader stays a zombie until its tree is gone (so its pid, group and
+        # session id are not reused meanwhile): its attempt reaps it.
         leaders = {r.attempt.pid for r in self.runners
-                   if r.attempt is not None and r.attempt.returncode is None}
+                   if r.attempt is not None and r.attempt.holds_pid}
         try:
             children = psutil.Process().children()
         except psutil.Error:
@@ -281,6 +301,8 @@ class Supervisor:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self.ledger.close()
+        for lk in self.locks:
+            lk.release()
         os.umask(self.job_umask)
 
 
@@ -289,11 +311,13 @@ def _check_command(job: Job) -> None:
     anything starts (in the daemon, before any other job is launched)."""
     if job.workdir is not None and not os.path.isdir(job.workdir):
         raise ConfigError(f"jobs.{job.name}.workdir: {job.workdir}: no such directory")
-    if job.user is not None:
-        try:
-            pwd.getpwnam(job.user)
-        except KeyError:
-            raise ConfigError(f"jobs.{job.name}.user: no such user {job.user!r}") from None
+    try:
+        credentials.resolve(job.user, job.group)
+    except KeyError:
+        raise ConfigError(f"jobs.{job.name}.user: no such user {job.user!r}") from None
+    except OSError as e:
+        where = "group" if job.group is not None else "user"
+        raise ConfigError(f"jobs.{job.name}.{where}: {e.strerror or e}") from None
     prog = job.command[0]
     env_path = job.env.get("PATH", os.environ.get("PATH", os.defpath))
     if "/" in prog:

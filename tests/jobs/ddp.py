@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-
 from trainwatch import client
 
 

@@ -209,8 +209,11 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
 
 
 def run_demo(seed: int = 7, keep: bool = False) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
-                        datefmt="%H:%M:%S", stream=sys.stdout)
+    from trainwatch.cli import IsoFormatter
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(IsoFormatter("%(asctime)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     # Short, so that the socket path fits in sun_path.
     tmp = Path(tempfile.mkdtemp(prefix="twdemo-"))
     rng = random.Random(seed)
