@@ -329,3 +329,23 @@ def test_catalog_never_deletes_or_modifies_checkpoints(ckpt_dir: Path, state: Pa
 
     assert _snapshot(ckpt_dir) == before
     assert not state.is_relative_to(ckpt_dir)
+
+
+def test_a_flood_of_reports_is_bounded_and_written_once_a_second(
+    ckpt_dir: Path, state: Path
+) -> None:
+    """4,000 reports: the refused ones (outside the dir, too long) are said so, the newest
+    MAX_REPORTS are kept, and the state file is rewritten once per SAVE_EVERY, not per report."""
+    from trainwatch.catalog import MAX_PATH, MAX_REPORTS
+
+    cat = _catalog(ckpt_dir, state)
+    assert not cat.report(1, "/elsewhere/step_1")
+    assert not cat.report(1, str(ckpt_dir / ("x" * MAX_PATH)))
+    for step in range(4000):
+        assert cat.report(step, str(ckpt_dir / f"step_{step}"))
+    assert len(cat.reported) == MAX_REPORTS and min(cat.reported) == 4000 - MAX_REPORTS
+    on_disk = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner=cat.owner)
+    assert list(on_disk.reported) == [0]  # only the first write happened within the second
+    cat.flush(force=True)
+    on_disk = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner=cat.owner)
+    assert on_disk.reported == cat.reported

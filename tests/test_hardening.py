@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -155,3 +157,70 @@ def test_job_named_control_leaves_the_control_socket_to_trainwatch(ws: Workspace
     assert r.returncode == 0, r.stderr
     wait_for(lambda: any(i["kind"] == "gpu_xid" for i in ws.incidents()), what="the Xid")
     assert p.poll() is None
+
+
+def test_reader_that_stops_reading_our_stderr_does_not_stall_the_loop(ws: Workspace) -> None:
+    """Item 11, `trainwatch run ... 2>&1 | sleep`: trainwatch's own log lines share the stalled
+    pipe with the job's output, and still the job's exit is handled and run ends."""
+    r, w = os.pipe()
+    reader = subprocess.Popen(["sleep", "300"], stdin=r)
+    os.close(r)
+    cmd = ["bash", "-c", "echo hi; head -c 300000 /dev/zero >&2; exit 3"]
+    tw = subprocess.Popen(
+        [sys.executable, "-m", "trainwatch.cli", "run", "--name", "job", "--state-dir",
+         str(ws.state), "--run-dir", str(ws.root / "run"), "--metrics-port", "0",
+         "--max-restarts", "0", "--", *cmd],
+        stdout=w, stderr=w)
+    os.close(w)
+    ws.procs.append(tw)
+    try:
+        tw.wait(timeout=30)
+        assert tw.returncode == 1
+        assert ws.status().get("state") == "fatal"
+        assert reader.poll() is None  # the reader never read a byte, and still does not
+    finally:
+        reader.kill()
+        reader.wait()
+
+
+def test_a_flood_of_checkpoint_reports_does_not_stall_the_loop(ws: Workspace) -> None:
+    """A job sending 4,000 distinct checkpoint reports (long paths, most refused, the rest
+    bounded): the catalog state stays small and Ctrl-C is acted on at once."""
+    script = ws.root / "reports.py"
+    script.write_text(
+        "import os, sys, time\nfrom trainwatch import client\nhb = client.connect()\n"
+        "hb.beat(1)\nd = sys.argv[1]\n"
+        "for i in range(4000):\n"
+        "    inside = i % 2 == 0\n"
+        "    path = os.path.join(d if inside else '/tmp', 'step_%d' % i + 'x' * 3000)\n"
+        "    hb.checkpoint(i, path)\n"
+        "open(os.path.join(d, '..', 'sent'), 'w').close()\n"
+        "time.sleep(600)\n")
+    p = ws.run(ws.config({"command": [sys.executable, str(script), str(ws.ckpt)]}))
+    wait_for(lambda: (ws.root / "sent").exists(), timeout=60, what="the reports sent")
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    p.wait(timeout=15)
+    assert time.monotonic() - t0 < 10
+    assert p.returncode == 130
+    assert (ws.state / "jobs" / "job" / "catalog.json").stat().st_size < 2_000_000
+
+
+def test_state_dir_writable_by_another_group_is_refused(ws: Workspace) -> None:
+    """Item 3: a root-owned state_dir its group may write (root:staff 0775), in which a member
+    planted jobs/job -> elsewhere, is refused in one line; nothing is written through it."""
+    if os.geteuid() != 0:
+        missing("handing a folder to another group needs root")
+    elsewhere = ws.root / "elsewhere"
+    elsewhere.mkdir()
+    ws.state.mkdir()
+    os.chown(ws.state, 0, 50)
+    ws.state.chmod(0o775)
+    (ws.state / "jobs").mkdir()
+    (ws.state / "jobs" / "job").symlink_to(elsewhere)
+    r = subprocess.run([sys.executable, "-m", "trainwatch.cli", "run", "--config",
+                        str(ws.config({"command": ["/bin/true"]}))],
+                       capture_output=True, text=True, timeout=30, check=False)
+    assert r.returncode == 2, r.stderr
+    assert "writable by group 50" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert list(elsewhere.iterdir()) == []

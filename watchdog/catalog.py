@@ -72,6 +72,15 @@ def _nonempty(path: Path) -> bool:
         return False
 
 
+# A job's reports are bounded: the newest this many steps are kept, a path is at
+# most PATH_MAX, and the state file is rewritten at most once per SAVE_EVERY
+# seconds however fast reports come (a job flooding reports must not turn into
+# one fsynced write per datagram in the loop that supervises every job).
+MAX_REPORTS = 256
+MAX_PATH = 4096
+SAVE_EVERY = 1.0
+
+
 class Catalog:
     def __init__(
         self,
@@ -97,6 +106,8 @@ class Catalog:
             state = {}
         self.reported: dict[int, str] = {int(k): v for k, v in state.get("reported", {}).items()}
         self.bad: dict[int, str] = {int(k): v for k, v in state.get("bad", {}).items()}
+        self._dirty = False
+        self._saved_at = -SAVE_EVERY
         self.failed_starts: dict[int, int] = {
             int(k): int(v) for k, v in state.get("failed_starts", {}).items()
         }
@@ -185,10 +196,25 @@ class Catalog:
 
     # --- what the supervisor tells us ---------------------------------------
 
-    def report(self, step: int, path: str) -> None:
-        """The job said this checkpoint is complete."""
+    def report(self, step: int, path: str) -> bool:
+        """The job said this checkpoint is complete. False when the report is
+        refused: a path outside ``checkpoints.dir`` (or too long)."""
+        if len(path) > MAX_PATH or (self.spec.dir is not None
+                                    and os.path.dirname(path) != self.spec.dir):
+            return False
         if self.reported.get(step) != path:
             self.reported[step] = path
+            while len(self.reported) > MAX_REPORTS:
+                del self.reported[min(self.reported)]
+            self._dirty = True
+            self.flush()
+        return True
+
+    def flush(self, force: bool = False) -> None:
+        """Write pending reports, at most once per SAVE_EVERY unless forced."""
+        now = time.monotonic()
+        if self._dirty and (force or now - self._saved_at >= SAVE_EVERY):
+            self._dirty, self._saved_at = False, now
             self._save()
 
     def start_failed(self, step: int) -> bool:

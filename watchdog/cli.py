@@ -82,7 +82,10 @@ class IsoFormatter(logging.Formatter):
 
 
 def _setup_logging(quiet: bool = False) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    from trainwatch.passthrough import LogHandler
+
+    # Not a StreamHandler: a blocking write to a stalled stderr would stall the loop.
+    handler = LogHandler(sys.stderr.fileno())
     handler.setFormatter(IsoFormatter("%(asctime)s trainwatch: %(message)s"))
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
 

@@ -152,6 +152,7 @@ class JobRunner:
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
         self.drill: DrillNotice | None = None
+        self.reports_refused = 0  # checkpoint reports outside checkpoints.dir
         self._over_cap_before = 0  # beats of ranks beyond the cap, in earlier attempts
         self._output_dropped_before = 0  # bytes of output lost by earlier attempts
         self.published_step: int | None = None
@@ -367,7 +368,12 @@ class JobRunner:
             if isinstance(obs, Beat):
                 self._on_beat(obs)
             elif isinstance(obs, CheckpointReport):
-                self.catalog.report(obs.step, obs.path)
+                if not self.catalog.report(obs.step, obs.path):
+                    self.reports_refused += 1
+                    if self.reports_refused == 1:
+                        log.warning("job %s: refused a checkpoint report outside %s: %.200s",
+                                    self.job.name, self.job.checkpoints.dir, obs.path)
+                    continue
                 self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
                 log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step,
                          obs.path)
@@ -435,6 +441,7 @@ class JobRunner:
 
     def tick(self, now: float) -> None:
         self._poll_socket(now)
+        self.catalog.flush()
         if now >= self.checkpoints_at:
             self.checkpoints = self.catalog.summary()
             self.checkpoints_at = now + _CATALOG_EVERY
@@ -697,6 +704,7 @@ class JobRunner:
         self._unregister(self.socket.fileno())
         self.socket_poll_at = 0.0
         self.socket.close()
+        self.catalog.flush(force=True)
 
     def goodput(self, now: float) -> float | None:
         """1 - seconds lost to faults / seconds supervised; None before the first launch."""

@@ -46,9 +46,17 @@ def _check(path: str, st: os.stat_result, me: int) -> None:
     if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
         raise UnsafeDir(errno.EPERM, f"{path}: writable by every user (mode "
                                      f"{stat.S_IMODE(st.st_mode):04o}; refused)", path)
-    if st.st_mode & stat.S_IWGRP and st.st_gid != os.getegid() and st.st_uid != 0:
-        raise UnsafeDir(errno.EPERM, f"{path}: writable by group {st.st_gid} (mode "
-                                     f"{stat.S_IMODE(st.st_mode):04o}; refused)", path)
+    _check_group(path, st)
+
+
+def _check_group(path: str, st: os.stat_result, below: str | None = None) -> None:
+    """Group write is another user's write unless the group is ours (root's, for
+    root), whoever owns the folder; the sticky bit still keeps entries in place."""
+    if st.st_mode & stat.S_IWGRP and not st.st_mode & stat.S_ISVTX \
+            and st.st_gid != os.getegid():
+        what = f" (refused for {below})" if below else " (refused)"
+        raise UnsafeDir(errno.EPERM, f"{path}: writable by group {st.st_gid}, mode "
+                                     f"{stat.S_IMODE(st.st_mode):04o}{what}", path)
 
 
 def _check_ancestors(path: str, me: int) -> None:
@@ -62,6 +70,7 @@ def _check_ancestors(path: str, me: int) -> None:
                                          f"(refused for {path}: another user could swap it)", a)
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
             raise UnsafeDir(errno.EPERM, f"{a}: writable by every user (refused for {path})", a)
+        _check_group(a, st, path)
         up = os.path.dirname(a)
         if up == a:
             return
@@ -80,10 +89,10 @@ def private_dir(path: str | os.PathLike[str], mode: int = 0o700) -> None:
     if parent != p and not os.path.isdir(parent):
         with contextlib.suppress(FileExistsError):
             os.makedirs(parent, mode=0o755)
+    _check_ancestors(p, me)  # before anything is created in them
     try:
         os.mkdir(p, mode)
     except FileExistsError:
         _check(p, os.lstat(p), me)
     else:
         set_mode(p, mode)  # mkdir's mode passes through the umask
-    _check_ancestors(p, me)

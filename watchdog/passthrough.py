@@ -12,6 +12,7 @@ change it for every other process writing to it.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import select
 import threading
@@ -125,3 +126,19 @@ def flush_all(timeout: float) -> bool:
     with _lock:
         streams = list(_streams.values())
     return all(p.flush(max(0.0, deadline - time.monotonic())) for p in streams)
+
+
+class LogHandler(logging.Handler):
+    """trainwatch's own log lines, through the same non-blocking writer as the
+    job's output on that stream: a reader that stopped reading (``2>&1 |
+    sleep``, a paused terminal) costs dropped lines, never a stalled loop."""
+
+    def __init__(self, fd: int = 2) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            to(self.fd).write((self.format(record) + "\n").encode(errors="replace"))
+        except Exception:  # a log line must never raise into the loop
+            self.handleError(record)
