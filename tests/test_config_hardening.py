@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 from trainwatch import cli
-from trainwatch.config import ConfigError, from_mapping, load, parse_duration
+from trainwatch.config import ConfigError, Job, from_mapping, load, parse_duration
+from trainwatch.supervisor import _check_command
 from trainwatch.types import DETECTED_KINDS, FaultKind
+from trainwatch.xid import Immediate
 
 JOB = "jobs: [{name: j, command: [python, train.py]}]\n"
 DUR = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"
@@ -29,6 +31,11 @@ NUL = "a string without NUL bytes"
 LAUGHS = "jobs: [{name: j, command: [" + ", ".join(
     f"&l{n} [{', '.join([f'*l{n - 1}'] * 9)}]" for n in range(1, 10)
 ).replace("*l0", "lol") + "]}]\n"
+
+# An 800 KB string anchored in env and aliased 61,950 times in command: a file just
+# under 1 MiB that expands to 50 GB of command line.
+ALIASED_MB = ("jobs: [{name: j, env: {A: &s " + "x" * 800_000 + "}, command: [true, "
+              + ", ".join(["*s"] * 61_950) + "]}]\n")
 
 
 def _job(**fields: str) -> str:
@@ -210,6 +217,60 @@ HOSTILE: list[object] = [
         id="factor-of-400-digits",
     ),
     pytest.param(
+        _job(env="{A: &s " + "x" * 100_000 + "}",
+             resume_args="[--resume, '{checkpoint}', " + ", ".join(["*s"] * 50) + "]"),
+        "line 1, column 1: expected at most 4 MiB (4194304 bytes) of text with aliases"
+        " expanded, got more",
+        id="aliases-of-one-long-string",
+    ),
+    pytest.param(
+        _cmd("&s " + "x" * 120_000, *["*s"] * 9),
+        "jobs.j.command: expected a command and env of at most 1 MiB (1048576 bytes)"
+        " together, what exec accepts, got 1200017 bytes",
+        id="command-beyond-what-exec-accepts",
+    ),
+    pytest.param(
+        _job(env="{V0: &s " + "x" * 120_000 + ", " + ", ".join(f"V{n}: *s" for n in range(1, 9))
+             + "}"),
+        "jobs.j.env: expected a command and env of at most 1 MiB (1048576 bytes) together,"
+        " what exec accepts, got 1080052 bytes",
+        id="env-beyond-what-exec-accepts",
+    ),
+    pytest.param(
+        _cmd("x" * 200_000),
+        "jobs.j.command[1]: expected an argument of at most 131071 bytes (what exec"
+        " accepts), got one of 200000 bytes",
+        id="argument-beyond-what-exec-accepts",
+    ),
+    pytest.param(
+        _job(env="{A: " + "x" * 200_000 + "}"),
+        "jobs.j.env.A: expected a variable of at most 131071 bytes as NAME=value (what exec"
+        " accepts), got one of 200002 bytes",
+        id="variable-beyond-what-exec-accepts",
+    ),
+    pytest.param(
+        _job(group="'99999999999999999999'"),
+        "jobs.j.group: expected a group name, or a gid from 0 to 4294967294, got"
+        " '99999999999999999999'",
+        id="gid-beyond-gid_t",
+    ),
+    pytest.param(
+        _job(user="'4294967295'"),
+        "jobs.j.user: expected a user name, or a uid from 0 to 4294967294, got '4294967295'",
+        id="uid-that-is-uid_t-minus-one",
+    ),
+    pytest.param(
+        _job(user="'" + "9" * 5000 + "'"),
+        f"jobs.j.user: expected a user name, or a uid from 0 to 4294967294, got '{'9' * 56}...",
+        id="uid-of-5000-digits",
+    ),
+    pytest.param(
+        JOB + "policies: {default: {xid_actions: {'²': restart}}}\n",
+        "policies.default.xid_actions.'²': expected an Xid number or a class"
+        f" ({', '.join(sorted(c.value for c in Immediate))}), got '²'",
+        id="xid-of-a-unicode-digit",
+    ),
+    pytest.param(
         _cmd("[" + ", ".join(["x"] * 40) + "]"),
         "jobs.j.command[1]: expected a string or a number, got a list of 40 items",
         id="large-value-described-not-repr",
@@ -245,9 +306,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
         (_job(heartbeat="{startup_timeout: 20s}"), "declared to beat"),
         ("jobs: [{name: j, command: [torchrun, '--nproc-per-node={num_gpus}']}]\n"
          "gpu: {backend: off}\n", "{num_gpus}"),
+        (ALIASED_MB, "expected at most 4 MiB (4194304 bytes) of text with aliases expanded"),
+        (_cmd("&s " + "x" * 120_000, *["*s"] * 9), "jobs.j.command: expected a command and"
+         " env of at most 1 MiB"),
+        (JOB + "policies: {default: {xid_actions: {'²': restart}}}\n",
+         "expected an Xid number or a class"),
+        (_job(group="'99999999999999999999'"), "jobs.j.group: expected a group name, or a gid"),
     ],
     ids=["billion-laughs", "deep", "nul", "400-digits", "over-1-MiB", "5000-digits",
-         "startup-without-required", "num-gpus-without-gpus"],
+         "startup-without-required", "num-gpus-without-gpus", "aliases-of-800-KB",
+         "command-beyond-exec", "xid-unicode-digit", "gid-beyond-gid_t"],
 )
 @pytest.mark.parametrize("verb", ["check-config", "run"])
 def test_cli_refuses_hostile_config_with_one_line_and_exit_2(
@@ -551,3 +619,45 @@ def test_shipped_config_passes_check_config_and_promises_nothing_missing() -> No
         assert key in text, key
     job = load(shipped).jobs[0]
     assert job.heartbeat.required and job.heartbeat.startup_timeout is not None
+
+
+def _run_cli(tmp_path: Path, config: Path) -> subprocess.CompletedProcess[str]:
+    return _cli("run", "--config", str(config), "--state-dir", str(tmp_path / "s"),
+                "--run-dir", str(tmp_path / "r"), "--metrics-port", "0")
+
+
+@pytest.mark.parametrize("user", ["²", "٣"], ids=["superscript-two", "arabic-indic-three"])
+def test_a_user_of_unicode_digits_is_a_name_not_a_uid(tmp_path: Path, user: str) -> None:
+    """`user: "٣"` is no uid 3 (sys) and `user: "²"` no crash: `run` says no such user."""
+    assert len(user.encode()) > 1 and user.isdigit()  # the premise: str.isdigit() takes it
+    path = _write(tmp_path, f"jobs: [{{name: j, command: [true], user: '{user}'}}]\n")
+    assert _cli("check-config", str(path)).returncode == 0  # a name; no user need exist here
+    result = _run_cli(tmp_path, path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == f"trainwatch: jobs.j.user: no such user {user!r}\n"
+
+
+def test_an_id_beyond_uid_t_is_refused_by_run_too(tmp_path: Path) -> None:
+    """`run --config` with a gid of 20 digits exits 2 with one line; the largest id loads."""
+    path = _write(tmp_path, _job(group="'99999999999999999999'"))
+    result = _run_cli(tmp_path, path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (f"trainwatch: {path}: jobs.j.group: expected a group name, or a"
+                             " gid from 0 to 4294967294, got '99999999999999999999'\n")
+    job = load(_write(tmp_path, _job(user="'4294967294'", group="'0'"))).jobs[0]
+    assert (job.user, job.group) == ("4294967294", "0")
+
+
+@pytest.mark.parametrize(("user", "group"), [(None, "99999999999999999999"),
+                                             ("²", None),
+                                             (None, "²"), ("٣", None)])
+def test_check_command_refuses_any_unresolvable_id_in_one_line(
+    user: str | None, group: str | None
+) -> None:
+    """A Job built without the config's checks (an id beyond uid_t, a Unicode digit)
+    still gets a ConfigError from the pre-start check, never an OverflowError."""
+    job = Job(name="j", command=("true",), user=user, group=group)
+    with pytest.raises(ConfigError) as caught:
+        _check_command(job)
+    where = "user" if user is not None else "group"
+    assert str(caught.value).startswith(f"jobs.j.{where}: no such {where}")

@@ -23,6 +23,8 @@ import pwd
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from trainwatch.fields import numeric_id
+
 _PR_SET_PDEATHSIG = 1
 _SIGKILL = 9
 
@@ -37,17 +39,23 @@ class Identity:
 
 
 def resolve(user: str | None, group: str | None) -> Identity | None:
-    """The credentials for a job's user/group; None: run as we do.
-    Raises KeyError (no such user) or OSError (no such group, or not ours to give)."""
+    """The credentials for a job's user/group; None: run as we do. A string of ASCII
+    digits is a uid or gid. Raises KeyError (no such user) or OSError (no such
+    group, or not ours to give)."""
     if user is None and group is None:
         return None
     pw = None
     if user is not None:
-        pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+        try:
+            uid = numeric_id(user)
+            pw = pwd.getpwuid(uid) if uid is not None else pwd.getpwnam(user)
+        except (ValueError, OverflowError):  # beyond uid_t, or a NUL: nobody's
+            raise KeyError(user) from None
     if group is not None:
         try:
-            gid = grp.getgrgid(int(group)).gr_gid if group.isdigit() else grp.getgrnam(group).gr_gid
-        except KeyError:
+            gid_ = numeric_id(group)
+            gid = (grp.getgrgid(gid_) if gid_ is not None else grp.getgrnam(group)).gr_gid
+        except (KeyError, ValueError, OverflowError):
             raise OSError(errno.EINVAL, f"no such group {group!r}") from None
     else:
         assert pw is not None

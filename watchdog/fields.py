@@ -13,6 +13,7 @@ from typing import Any
 
 MAX_DURATION = 10 * 365 * 86400.0  # no timeout, window or backoff is longer than 10 years
 MAX_RANKS = 1 << 20  # a declared world size beyond any job of today
+MAX_ID = (1 << 32) - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t)-1, "leave unchanged", never an id
 _DURATION = re.compile(
     r"^\s*((?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)\s*(ms|s|m|h|d)?\s*$"
 )
@@ -132,6 +133,36 @@ def text(v: object) -> str:
     return v
 
 
+def numeric_id(s: str) -> int | None:
+    """The uid or gid a string of ASCII digits names; None for a name. Raises
+    ValueError beyond MAX_ID. ASCII only: str.isdigit() also takes "²", which
+    int() refuses, and "٣", which int() reads as 3."""
+    if not (s.isascii() and s.isdigit()):
+        return None
+    if len(s.lstrip("0")) > len(str(MAX_ID)) or int(s) > MAX_ID:  # no int() of 5000 digits
+        raise ValueError(s)
+    return int(s)
+
+
+def _account(v: object, expected: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise Refused(STR, v)  # `user: 1000` is refused as before: quote a uid
+    text(v)  # its own words for a NUL
+    try:
+        numeric_id(v)
+    except ValueError:
+        raise Refused(expected, v) from None
+    return v
+
+
+def user(v: object) -> str:
+    return _account(v, USER)
+
+
+def group(v: object) -> str:
+    return _account(v, GROUP)
+
+
 def argument(v: object) -> str:
     """One element of a command line: a string, or a number or boolean as text."""
     if isinstance(v, bool):
@@ -224,6 +255,8 @@ NAME = "a name of letters, digits, '_', '.', '-' (at most 63)"
 NATURAL = "an integer >= 0"
 POSITIVE = "an integer >= 1"
 FACTOR = "a number from 1 to 1000"
+USER = f"a user name, or a uid from 0 to {MAX_ID}"
+GROUP = f"a group name, or a gid from 0 to {MAX_ID}"
 RANKS = f"an integer from 1 to {MAX_RANKS} (the job's world size), or null"
 
 CHECKS: dict[str, Any] = {
@@ -234,6 +267,8 @@ CHECKS: dict[str, Any] = {
     NATURAL: natural,
     POSITIVE: positive_int,
     RANKS: ranks,
+    USER: user,
+    GROUP: group,
     "a port number 1-65535, or 0 for off": port,
     FACTOR: factor,
     "a fraction 0 <= x < 1": fraction,

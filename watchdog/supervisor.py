@@ -32,6 +32,8 @@ from trainwatch.types import JobState
 log = logging.getLogger("trainwatch")
 
 _MAX_SLEEP = 1.0
+_ERROR_PAUSE = 0.05  # the least sleep after a round in which a handler raised
+_ERROR_LOG_EVERY = 10.0  # a place that keeps failing is logged this often
 _REAP_EVERY = 5.0
 
 
@@ -127,7 +129,8 @@ class Supervisor:
                                   "0 turns the exporter off)") from None
         self.stop_signal: int | None = None
         self.loop_errors = 0  # exceptions in one job's handling, survived
-        self._failed_at: set[str] = set()
+        self._failed_at: dict[str, float] = {}  # where -> when its error was last logged
+        self._failed_now = False  # an error this round: do not spin on it
         self._next_reap = 0.0
         self._stop_sent = False
 
@@ -222,13 +225,17 @@ class Supervisor:
             where = f"job {owner.job.name}" if isinstance(owner, JobRunner) else \
                 getattr(fn, "__qualname__", repr(fn))
             self.loop_errors += 1
+            self._failed_now = True
+            now = time.monotonic()
             if where not in self._failed_at:
-                self._failed_at.add(where)
                 log.exception("%s: an error in its handling (counted; supervision goes on)",
                               where)
-            else:
-                log.error("%s: another error in its handling (%d in all)", where,
+            elif now - self._failed_at[where] >= _ERROR_LOG_EVERY:
+                log.error("%s: errors in its handling go on (%d in all)", where,
                           self.loop_errors)
+            else:
+                return
+            self._failed_at[where] = now
 
     def _next_wake(self, r: JobRunner, now: float) -> float:
         try:
@@ -264,9 +271,12 @@ class Supervisor:
                         self._guarded(r.stop, f"operator: {name}")
                 now = self.clock()
                 wake = min([now + _MAX_SLEEP, *(self._next_wake(r, now) for r in self.runners)])
+                sleep = max(0.0, wake - now)
+                if self._failed_now:  # a handler that keeps failing must not spin the loop
+                    self._failed_now, sleep = False, max(sleep, _ERROR_PAUSE)
                 self.lock.release()  # the scrape's moment
                 try:
-                    ready = self.sel.select(max(0.0, wake - now))
+                    ready = self.sel.select(sleep)
                 finally:
                     self.lock.acquire()
                 for key, _ in ready:
@@ -318,6 +328,9 @@ def _check_command(job: Job) -> None:
     except OSError as e:
         where = "group" if job.group is not None else "user"
         raise ConfigError(f"jobs.{job.name}.{where}: {e.strerror or e}") from None
+    except (OverflowError, ValueError) as e:  # resolve's checks missed a way: still one line
+        where, said = ("user", job.user) if job.user is not None else ("group", job.group)
+        raise ConfigError(f"jobs.{job.name}.{where}: cannot resolve {said!r}: {e}") from None
     prog = job.command[0]
     env_path = job.env.get("PATH", os.environ.get("PATH", os.defpath))
     if "/" in prog:

@@ -2,7 +2,8 @@
 
 A config file is read by a root daemon, so its size, its nesting and what its
 aliases expand to are capped before anything looks at the values: a
-billion-laughs document, a 100,000-deep nesting or a gigabyte file is one line
+billion-laughs document, a few aliases of one long string, a 100,000-deep
+nesting or a gigabyte file is one line
 and a refusal, never a hang or a traceback. Duplicate keys are refused too
 (PyYAML silently keeps the last).
 """
@@ -19,6 +20,7 @@ import yaml
 MAX_BYTES = 1 << 20  # 1 MiB: a config of a thousand jobs is a tenth of it
 MAX_DEPTH = 64  # a config nests six or seven levels
 MAX_VALUES = 100_000  # scalars, lists and mappings, counted with aliases expanded
+MAX_TEXT = 4 << 20  # 4 MiB: bytes of scalars with aliases expanded (the file holds 1 MiB)
 MAX_INT_DIGITS = 4300  # CPython's own limit on converting text to int
 
 
@@ -159,12 +161,13 @@ def _children(node: yaml.Node) -> Iterator[yaml.Node]:
 
 
 def _check_size(root: yaml.Node) -> None:
-    """Refuse a document whose values, with every alias expanded, exceed MAX_VALUES.
+    """Refuse a document whose values, with every alias expanded, exceed MAX_VALUES,
+    or whose scalars then hold more than MAX_TEXT bytes.
 
     An alias is a reference to a node composed once, so the node graph stays
     small however far it expands; counting each node's expanded size once
     (memoized, iterative) costs the size of the file, not of the expansion."""
-    size: dict[int, int] = {}
+    size: dict[int, tuple[int, int]] = {}  # id -> (values, bytes), each capped past its bound
     open_: set[int] = set()  # nodes begun and not finished: the current path
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
@@ -172,8 +175,10 @@ def _check_size(root: yaml.Node) -> None:
         key = id(node)
         if finishing:
             open_.discard(key)
-            total = 1 + sum(size[id(c)] for c in _children(node))
-            size[key] = min(total, MAX_VALUES + 1)
+            values, text = 1, _scalar_bytes(node)
+            for c in _children(node):
+                values, text = values + size[id(c)][0], text + size[id(c)][1]
+            size[key] = (min(values, MAX_VALUES + 1), min(text, MAX_TEXT + 1))
             continue
         if key in size:
             continue
@@ -183,9 +188,19 @@ def _check_size(root: yaml.Node) -> None:
         open_.add(key)
         stack.append((node, True))
         stack.extend((c, False) for c in _children(node) if id(c) not in size)
-    if size[id(root)] > MAX_VALUES:
+    values, text = size[id(root)]
+    if values > MAX_VALUES:
         raise _Refused(f"at most {MAX_VALUES} values with aliases expanded", "more",
                        root.start_mark)
+    if text > MAX_TEXT:
+        raise _Refused(f"at most {MAX_TEXT >> 20} MiB ({MAX_TEXT} bytes) of text with aliases"
+                       " expanded", "more", root.start_mark)
+
+
+def _scalar_bytes(node: yaml.Node) -> int:
+    if not isinstance(node, yaml.ScalarNode):
+        return 0
+    return len(str(node.value).encode("utf-8", "surrogatepass"))
 
 
 _TEXT_TAGS = {"tag:yaml.org,2002:int", "tag:yaml.org,2002:float", "tag:yaml.org,2002:bool"}
