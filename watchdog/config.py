@@ -24,6 +24,8 @@ __all__ = ["MAX_DURATION", "parse_duration"]
 MAX_SOCKET_PATH = 107
 DEFAULT_MAX_RANKS = 1024  # ranks believed per job when it declares no world size
 MAX_SIM_GPUS = 1024
+MAX_ARG_BYTES = 32 * 4096  # MAX_ARG_STRLEN: the most exec takes in one string, NUL included
+MAX_EXEC_BYTES = 1 << 20  # a job's command, resume_args and env together
 
 
 class ConfigError(ValueError):
@@ -274,6 +276,40 @@ def _env(r: _Reader, raw: object, path: str) -> dict[str, str]:
     return out
 
 
+def _exec_bytes(s: str) -> int:
+    """What a string takes in exec's argument block: its bytes and a NUL."""
+    return len(s.encode("utf-8", "surrogatepass")) + 1
+
+
+def _check_exec_size(r: _Reader, path: str, command: tuple[str, ...],
+                     resume_args: tuple[str, ...], env: Mapping[str, str]) -> None:
+    """Refuse a command, resume_args and env that exec would refuse (E2BIG) or that
+    would take the daemon's memory to format (a few aliases of one long string): one
+    string beyond MAX_ARG_STRLEN, or more than MAX_EXEC_BYTES in all, which leaves
+    exec's total (ARG_MAX, 2 MiB on a default stack) room for the inherited env."""
+    strings = [(f"{path}.command[{n}]", a) for n, a in enumerate(command)]
+    strings += [(f"{path}.resume_args[{n}]", a) for n, a in enumerate(resume_args)]
+    n_cmd = 0
+    for where, a in strings:
+        size = _exec_bytes(a)
+        if size > MAX_ARG_BYTES:
+            raise r.fail(where, f"an argument of at most {MAX_ARG_BYTES - 1} bytes (what"
+                         " exec accepts)", Said(f"one of {size - 1} bytes"))
+        n_cmd += size
+    n_env = 0
+    for k, v in env.items():
+        size = _exec_bytes(k) + _exec_bytes(v)  # "k=v" and its NUL
+        if size > MAX_ARG_BYTES:
+            raise r.fail(f"{path}.env.{fields.key(k)}", f"a variable of at most"
+                         f" {MAX_ARG_BYTES - 1} bytes as NAME=value (what exec accepts)",
+                         Said(f"one of {size - 1} bytes"))
+        n_env += size
+    if n_cmd + n_env > MAX_EXEC_BYTES:
+        where = f"{path}.command" if n_cmd >= n_env else f"{path}.env"
+        raise r.fail(where, f"a command and env of at most 1 MiB ({MAX_EXEC_BYTES} bytes)"
+                     " together, what exec accepts", Said(f"{n_cmd + n_env} bytes"))
+
+
 def _action(r: _Reader, where: str, act: object) -> Action:
     try:
         action = Action(act)
@@ -326,7 +362,7 @@ def _policy(r: _Reader, name: str, raw: object) -> Policy:
         raise r.fail(f"{path}.xid_actions", "a mapping of Xids or Xid classes to actions", raw_xid)
     for key, act in raw_xid.items():
         where = f"{path}.xid_actions.{fields.key(key)}"
-        if isinstance(key, str) and key.isdigit() and len(key) < 10:
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10:
             key = int(key)  # "79", as JSON writes every key
         xid_number = isinstance(key, int) and not isinstance(key, bool) and 0 < key < 1 << 31
         if not xid_number and key not in classes:
@@ -407,6 +443,8 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy],
     if resume_args and not any("{checkpoint}" in a for a in resume_args):
         raise r.fail(f"{path}.resume_args", "an argument containing {checkpoint}",
                      list(resume_args))
+    env = _env(r, m.get("env"), f"{path}.env")
+    _check_exec_size(r, path, command, resume_args, env)
 
     cp = f"{path}.checkpoints"
     c = r.mapping(
@@ -450,9 +488,9 @@ def _job(r: _Reader, i: int, raw: object, policies: Mapping[str, Policy],
         gpus=gpus,
         command=command,
         workdir=r.get(m, "workdir", path, _STR, None),
-        user=r.get(m, "user", path, _STR, None),
-        group=r.get(m, "group", path, _STR, None),
-        env=_env(r, m.get("env"), f"{path}.env"),
+        user=r.get(m, "user", path, fields.USER, None),
+        group=r.get(m, "group", path, fields.GROUP, None),
+        env=env,
         resume_args=resume_args,
         checkpoints=checkpoints,
         heartbeat=heartbeat,
