@@ -1,0 +1,415 @@
+"""A parsed YAML mapping validated into the schema's objects.
+
+A mistake raises ConfigError whose text is one line naming the source, the field
+path (a job by its name once it has a valid one: ``jobs.train.command[3]``),
+what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trainwatch import fields
+from trainwatch.fields import Refused, Said, show
+from trainwatch.schema import (
+    DEFAULT_ACTIONS,
+    Backoff,
+    Checkpoints,
+    Config,
+    ConfigError,
+    Escalate,
+    Gpu,
+    Gpus,
+    Heartbeat,
+    Job,
+    Learned,
+    Metrics,
+    Policy,
+    check_socket_paths,
+    default_dirs,
+)
+from trainwatch.types import DETECTED_KINDS, IMPLEMENTED_ACTIONS, Action, FaultKind
+from trainwatch.xid import Immediate
+
+MAX_SIM_GPUS = 1024
+MAX_ARG_BYTES = 32 * 4096  # MAX_ARG_STRLEN: the most exec takes in one string, NUL included
+MAX_EXEC_BYTES = 1 << 20  # a job's command, resume_args and env together
+
+
+class Reader:
+    """Walks a mapping, checking each field and naming its path on error."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, path: str, expected: str, got: object) -> ConfigError:
+        shown = "nothing" if got is _MISSING else show(got)
+        return ConfigError(f"{self.source}: {path}: expected {expected}, got {shown}")
+
+    def mapping(self, value: object, path: str, keys: set[str],
+                expected: str | None = None) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(path or "top level", "a mapping", value)
+        for k in value:
+            if k not in keys:
+                where = f"{path}.{fields.key(k)}" if path else fields.key(k)
+                raise self.fail(where, expected or "one of " + ", ".join(sorted(keys)),
+                                Said("an unknown key"))
+        return value
+
+    def get(self, m: Mapping[str, Any], key: str, path: str, kind: str, default: Any) -> Any:
+        value = m.get(key, _MISSING)
+        where = f"{path}.{key}" if path else key
+        if value is _MISSING:
+            if default is _MISSING:
+                raise self.fail(where, kind, value)
+            return default
+        try:
+            return fields.CHECKS[kind](value)
+        except Refused as e:
+            raise self.fail(where, e.expected, e.got) from None
+        except (TypeError, ValueError, OverflowError):
+            raise self.fail(where, kind, value) from None
+
+    def arguments(self, value: object, path: str, expected: str) -> tuple[str, ...]:
+        """A list of command-line arguments, each mistake named by its index."""
+        if not isinstance(value, list):
+            raise self.fail(path, expected, value)
+        out = []
+        for n, x in enumerate(value):
+            try:
+                out.append(fields.argument(x))
+            except Refused as e:
+                raise self.fail(f"{path}[{n}]", e.expected, e.got) from None
+        return tuple(out)
+
+
+_MISSING: Any = object()
+_STR, _DUR, _OPT_DUR = fields.STR, fields.DUR, fields.OPT_DUR
+_COMMAND = "a non-empty list of strings (the command and its arguments)"
+_NOT_DECLARED = ("a job that is not declared to beat cannot be judged by the absence of"
+                 " beats")
+
+
+def _env(r: Reader, raw: object, path: str) -> dict[str, str]:
+    """A job's env: names to scalars, each mistake named by its variable."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise r.fail(path, "a mapping of variable names to values", raw)
+    out: dict[str, str] = {}
+    for k, x in raw.items():
+        if not isinstance(k, str) or not k or "=" in k or "\0" in k:
+            raise r.fail(path, "variable names without '=' or NUL bytes", k)
+        where = f"{path}.{fields.key(k)}"
+        if isinstance(x, dict | list) or x is None:
+            raise r.fail(where, "a string, number or true/false", x)
+        try:
+            out[k] = fields.argument(x)
+        except Refused as e:
+            raise r.fail(where, e.expected, e.got) from None
+    return out
+
+
+def _exec_bytes(s: str) -> int:
+    """What a string takes in exec's argument block: its bytes and a NUL."""
+    return len(s.encode("utf-8", "surrogatepass")) + 1
+
+
+def _check_exec_size(r: Reader, path: str, command: tuple[str, ...],
+                     resume_args: tuple[str, ...], env: Mapping[str, str]) -> None:
+    """Refuse a command, resume_args and env that exec would refuse (E2BIG) or that
+    would take the daemon's memory to format (a few aliases of one long string): one
+    string beyond MAX_ARG_STRLEN, or more than MAX_EXEC_BYTES in all, which leaves
+    exec's total (ARG_MAX, 2 MiB on a default stack) room for the inherited env."""
+    strings = [(f"{path}.command[{n}]", a) for n, a in enumerate(command)]
+    strings += [(f"{path}.resume_args[{n}]", a) for n, a in enumerate(resume_args)]
+    n_cmd = 0
+    for where, a in strings:
+        size = _exec_bytes(a)
+        if size > MAX_ARG_BYTES:
+            raise r.fail(where, f"an argument of at most {MAX_ARG_BYTES - 1} bytes (what"
+                         " exec accepts)", Said(f"one of {size - 1} bytes"))
+        n_cmd += size
+    n_env = 0
+    for k, v in env.items():
+        size = _exec_bytes(k) + _exec_bytes(v)  # "k=v" and its NUL
+        if size > MAX_ARG_BYTES:
+            raise r.fail(f"{path}.env.{fields.key(k)}", f"a variable of at most"
+                         f" {MAX_ARG_BYTES - 1} bytes as NAME=value (what exec accepts)",
+                         Said(f"one of {size - 1} bytes"))
+        n_env += size
+    if n_cmd + n_env > MAX_EXEC_BYTES:
+        where = f"{path}.command" if n_cmd >= n_env else f"{path}.env"
+        raise r.fail(where, f"a command and env of at most 1 MiB ({MAX_EXEC_BYTES} bytes)"
+                     " together, what exec accepts", Said(f"{n_cmd + n_env} bytes"))
+
+
+def _action(r: Reader, where: str, act: object) -> Action:
+    try:
+        action = Action(act)
+    except ValueError:
+        raise r.fail(where, "one of " + ", ".join(a.value for a in Action), act) from None
+    if action not in IMPLEMENTED_ACTIONS:
+        ok = ", ".join(sorted(a.value for a in IMPLEMENTED_ACTIONS))
+        raise r.fail(where, f"an action this version carries out ({ok})", act)
+    return action
+
+
+def _actions(r: Reader, raw: object, path: str) -> dict[FaultKind, Action]:
+    detected = ", ".join(sorted(k.value for k in DETECTED_KINDS))
+    known = {k.value for k in FaultKind}
+    m = r.mapping(raw, path, known, f"one of {detected}")
+    actions = dict(DEFAULT_ACTIONS)
+    for kind, act in m.items():
+        where = f"{path}.{kind}"
+        if FaultKind(kind) not in DETECTED_KINDS:
+            # An action for a fault nothing raises would promise a response that never comes.
+            raise r.fail(where, f"a fault kind this version detects ({detected})",
+                         Said(f"{kind}, which no detector raises yet"))
+        actions[FaultKind(kind)] = _action(r, where, act)
+    return actions
+
+
+def _policy(r: Reader, name: str, raw: object) -> Policy:
+    path = f"policies.{name}"
+    m = r.mapping(raw, path, {"max_restarts", "window", "backoff", "kill_grace", "actions",
+                              "xid_actions", "escalate", "exec"})
+    d = Policy()
+    bp = f"{path}.backoff"
+    b = r.mapping(m.get("backoff"), bp, {"initial", "factor", "max", "jitter", "reset_after"})
+    backoff = Backoff(
+        initial=r.get(b, "initial", bp, fields.DUR0, d.backoff.initial),
+        factor=r.get(b, "factor", bp, fields.FACTOR, d.backoff.factor),
+        max=r.get(b, "max", bp, _DUR, d.backoff.max),
+        jitter=r.get(b, "jitter", bp, "a fraction 0 <= x < 1", d.backoff.jitter),
+        reset_after=r.get(b, "reset_after", bp, _DUR, d.backoff.reset_after),
+    )
+    if backoff.max < backoff.initial:
+        got = b.get("max", _MISSING)
+        if got is _MISSING:
+            got = Said(f"the default {backoff.max:g}s")
+        raise r.fail(f"{bp}.max", f"at least initial ({backoff.initial:g}s)", got)
+    xid_actions: dict[int | str, Action] = {}
+    classes = {c.value for c in Immediate}
+    raw_xid = m.get("xid_actions") or {}
+    if not isinstance(raw_xid, dict):
+        raise r.fail(f"{path}.xid_actions", "a mapping of Xids or Xid classes to actions", raw_xid)
+    for key, act in raw_xid.items():
+        where = f"{path}.xid_actions.{fields.key(key)}"
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10:
+            key = int(key)  # "79", as JSON writes every key
+        xid_number = isinstance(key, int) and not isinstance(key, bool) and 0 < key < 1 << 31
+        if not xid_number and key not in classes:
+            raise r.fail(where, "an Xid number or a class (" + ", ".join(sorted(classes)) + ")",
+                         key)
+        xid_actions[key] = _action(r, where, act)
+    ep = f"{path}.escalate"
+    e = r.mapping(m.get("escalate"), ep, {"after", "window"})
+    escalate = Escalate(
+        after=r.get(e, "after", ep, fields.POSITIVE, d.escalate.after),
+        window=r.get(e, "window", ep, _DUR, d.escalate.window),
+    )
+    raw_exec = m.get("exec")
+    return Policy(
+        name=name,
+        xid_actions=xid_actions,
+        escalate=escalate,
+        exec=() if raw_exec is None else r.arguments(raw_exec, f"{path}.exec",
+                                                     "a list of strings"),
+        max_restarts=r.get(m, "max_restarts", path, fields.NATURAL, d.max_restarts),
+        window=r.get(m, "window", path, _DUR, d.window),
+        backoff=backoff,
+        kill_grace=r.get(m, "kill_grace", path, _DUR, d.kill_grace),
+        actions=_actions(r, m.get("actions"), f"{path}.actions"),
+    )
+
+
+def _heartbeat(r: Reader, raw: object, hp: str) -> Heartbeat:
+    h = r.mapping(raw, hp, {"timeout", "startup_timeout", "learned", "required", "ranks"})
+    learned: Learned | None = None
+    if h.get("learned") not in (None, False):
+        lp = f"{hp}.learned"
+        raw_l = {} if h["learned"] is True else h["learned"]
+        lm = r.mapping(raw_l, lp, {"factor", "floor", "min_samples"})
+        dl = Learned()
+        learned = Learned(
+            factor=r.get(lm, "factor", lp, fields.FACTOR, dl.factor),
+            floor=r.get(lm, "floor", lp, _DUR, dl.floor),
+            min_samples=r.get(lm, "min_samples", lp, fields.POSITIVE, dl.min_samples),
+        )
+    heartbeat = Heartbeat(
+        timeout=r.get(h, "timeout", hp, _DUR, Heartbeat.timeout),
+        startup_timeout=r.get(h, "startup_timeout", hp, _OPT_DUR, None),
+        learned=learned,
+        required=r.get(h, "required", hp, "true or false", False),
+        ranks=r.get(h, "ranks", hp, fields.RANKS, None),
+    )
+    if heartbeat.startup_timeout is not None and not heartbeat.required:
+        raise r.fail(f"{hp}.startup_timeout", "it only with heartbeat.required: true",
+                     Said(f"{show(h['startup_timeout'])} without it ({_NOT_DECLARED})"))
+    return heartbeat
+
+
+def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
+         seen: set[str], backend: str) -> Job:
+    said = raw.get("name") if isinstance(raw, dict) else None
+    usable = isinstance(said, str) and fields.NAME_RE.match(said) and said not in seen
+    m = r.mapping(raw, f"jobs.{said}" if usable else f"jobs[{i}]", {
+        "name", "command", "workdir", "user", "group", "env", "resume_args", "checkpoints",
+        "heartbeat", "policy", "gpus",
+    })
+    if not m:
+        raise r.fail(f"jobs[{i}]", "a mapping with name and command", raw)
+    name = r.get(m, "name", f"jobs[{i}]", fields.NAME, _MISSING)
+    if name in seen:
+        raise r.fail(f"jobs[{i}].name", "a name used by one job only", name)
+    seen.add(name)
+    path = f"jobs.{name}"  # from here on the job is named by its name
+    command = r.arguments(m.get("command", _MISSING), f"{path}.command", _COMMAND)
+    if not command:
+        raise r.fail(f"{path}.command", _COMMAND, [])
+    if not command[0]:
+        raise r.fail(f"{path}.command[0]", "the program to run (a non-empty string)", "")
+    check_command(command, backend, lambda n: f"{r.source}: {path}.command[{n}]")
+    raw_resume = m.get("resume_args")
+    resume_args = () if raw_resume is None else r.arguments(
+        raw_resume, f"{path}.resume_args", "a list of strings")
+    if resume_args and not any("{checkpoint}" in a for a in resume_args):
+        raise r.fail(f"{path}.resume_args", "an argument containing {checkpoint}",
+                     list(resume_args))
+    env = _env(r, m.get("env"), f"{path}.env")
+    _check_exec_size(r, path, command, resume_args, env)
+
+    cp = f"{path}.checkpoints"
+    c = r.mapping(
+        m.get("checkpoints"), cp, {"dir", "layout", "pattern", "marker", "quiet_for", "bad_after"}
+    )
+    dc = Checkpoints()
+    checkpoints = Checkpoints(
+        dir=r.get(c, "dir", cp, _STR, None),
+        layout=r.get(c, "layout", cp, "generic", dc.layout),
+        pattern=r.get(
+            c, "pattern", cp, "a file name pattern with one {step} and no '/'", dc.pattern
+        ),
+        marker=r.get(c, "marker", cp, _STR, None),
+        quiet_for=r.get(c, "quiet_for", cp, _OPT_DUR, None),
+        bad_after=r.get(c, "bad_after", cp, fields.POSITIVE, dc.bad_after),
+    )
+    heartbeat = _heartbeat(r, m.get("heartbeat"), f"{path}.heartbeat")
+
+    policy = r.get(m, "policy", path, _STR, "default")
+    if policy not in policies:
+        defined = ", ".join(sorted(policies))
+        raise r.fail(f"{path}.policy", f"a policy defined under policies ({defined})", policy)
+    gp = f"{path}.gpus"
+    g = r.mapping(m.get("gpus"), gp, {"devices", "min"})
+    devices = g.get("devices")
+    if devices is not None and (
+        not isinstance(devices, list) or not devices
+        or not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_SIM_GPUS
+                   for x in devices)
+        or len(set(devices)) != len(devices)
+    ):
+        raise r.fail(f"{gp}.devices", "a list of distinct GPU indices, or null for all", devices)
+    gpus = Gpus(
+        devices=tuple(devices) if devices is not None else None,
+        min=r.get(g, "min", gp, fields.POSITIVE, 1),
+    )
+    if gpus.devices is not None and gpus.min > len(gpus.devices):
+        raise r.fail(f"{gp}.min", f"at most the {len(gpus.devices)} devices listed", gpus.min)
+    return Job(
+        name=name,
+        gpus=gpus,
+        command=command,
+        workdir=r.get(m, "workdir", path, _STR, None),
+        user=r.get(m, "user", path, fields.USER, None),
+        group=r.get(m, "group", path, fields.GROUP, None),
+        env=env,
+        resume_args=resume_args,
+        checkpoints=checkpoints,
+        heartbeat=heartbeat,
+        policy=policy,
+    )
+
+
+def check_command(command: Sequence[str], backend: str, where: Any) -> None:
+    """{num_gpus} needs GPUs counted: refuse it where nothing counts them.
+
+    ``where(n)`` names the n-th argument in the message."""
+    if backend != "off":
+        return
+    for n, arg in enumerate(command):
+        if "{num_gpus}" in arg:
+            raise ConfigError(
+                f"{where(n)}: expected no {{num_gpus}} with gpu.backend: off (no GPUs are"
+                f" counted, so it has no value), got {show(arg)}"
+            )
+
+
+def _gpu(r: Reader, raw: object) -> Gpu:
+    gm = r.mapping(raw, "gpu", {"backend", "count", "poll_interval", "kmsg", "thermal_sustain",
+                                "recheck_after"})
+    backend = r.get(gm, "backend", "gpu", "auto, nvml, sim or off", Gpu.backend)
+    count = r.get(gm, "count", "gpu", fields.NATURAL, Gpu.count)
+    if count > MAX_SIM_GPUS:
+        raise r.fail("gpu.count", f"at most {MAX_SIM_GPUS} simulated GPUs", count)
+    if backend == "sim" and not count:
+        raise r.fail("gpu.count", "the number of GPUs to simulate (>= 1) with backend sim",
+                     gm.get("count", _MISSING))
+    return Gpu(
+        backend=backend,
+        count=count,
+        poll_interval=r.get(gm, "poll_interval", "gpu", _DUR, Gpu.poll_interval),
+        kmsg=r.get(gm, "kmsg", "gpu", _STR, Gpu.kmsg) if gm.get("kmsg", "") is not None
+        else None,
+        thermal_sustain=r.get(gm, "thermal_sustain", "gpu", _DUR, Gpu.thermal_sustain),
+        recheck_after=r.get(gm, "recheck_after", "gpu", _OPT_DUR, Gpu.recheck_after),
+    )
+
+
+def from_mapping(raw: object, source: str = "<config>") -> Config:
+    """Validate a parsed YAML document into a Config."""
+    r = Reader(source)
+    keys = {"state_dir", "run_dir", "metrics", "gpu", "jobs", "policies", "observe_only"}
+    m = r.mapping(raw, "", keys)
+    state_default, run_default = default_dirs()
+
+    raw_policies = m.get("policies") or {}
+    if not isinstance(raw_policies, dict):
+        raise r.fail("policies", "a mapping of policy names to policies", raw_policies)
+    policies = {"default": Policy()}
+    for pname, praw in raw_policies.items():
+        if not isinstance(pname, str) or not fields.NAME_RE.match(pname):
+            raise r.fail(f"policies.{fields.key(pname)}",
+                         fields.NAME.replace("a name", "a policy name"), pname)
+        policies[pname] = _policy(r, pname, praw)
+
+    gpu = _gpu(r, m.get("gpu"))
+    raw_jobs = m.get("jobs", _MISSING)
+    if not isinstance(raw_jobs, list) or not raw_jobs:
+        raise r.fail("jobs", "a non-empty list of jobs", raw_jobs)
+    seen: set[str] = set()
+    jobs = tuple(_job(r, i, j, policies, seen, gpu.backend) for i, j in enumerate(raw_jobs))
+
+    mm = r.mapping(m.get("metrics"), "metrics", {"address", "port"})
+    run_dir = r.get(m, "run_dir", "", _STR, run_default)
+    check_socket_paths(r.source, run_dir, jobs)
+    return Config(
+        state_dir=r.get(m, "state_dir", "", _STR, state_default),
+        run_dir=run_dir,
+        jobs=jobs,
+        policies=policies,
+        metrics=Metrics(
+            address=r.get(mm, "address", "metrics", _STR, Metrics.address),
+            port=r.get(mm, "port", "metrics", "a port number 1-65535, or 0 for off",
+                       Metrics.port),
+        ),
+        gpu=gpu,
+        observe_only=r.get(m, "observe_only", "", "true or false", False),
+        source=source,
+    )
+

@@ -1,0 +1,207 @@
+"""The config schema of DESIGN.md as frozen, typed objects, and what follows from
+them alone: default folders and each job's socket path."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from trainwatch.fields import show
+from trainwatch.types import Action, FaultKind
+
+# sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+DEFAULT_MAX_RANKS = 1024  # ranks believed per job when it declares no world size
+
+
+class ConfigError(ValueError):
+    """A user's mistake in a config file or flag: printed as one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    initial: float = 10.0  # 0: relaunch at once
+    factor: float = 2.0
+    max: float = 600.0
+    jitter: float = 0.1  # +/- this fraction, so that many hosts do not retry in step
+    reset_after: float = 600.0  # an attempt that ran this long resets the backoff
+
+
+DEFAULT_ACTIONS: Mapping[FaultKind, Action] = {
+    FaultKind.CRASH: Action.RESTART,
+    FaultKind.HANG: Action.RESTART,
+    # gpu_xid has no entry: each Xid's action comes from its class (trainwatch.xid).
+    FaultKind.GPU_LOST: Action.RESTART_EXCLUDE_GPU,
+    FaultKind.GPU_ECC: Action.ALERT,  # a fatal ECC error also raises an Xid (48, 94, 95)
+    FaultKind.GPU_THERMAL: Action.ALERT,
+}
+
+
+@dataclass(frozen=True)
+class Escalate:
+    """This many Xids on one GPU within ``window`` turn a restart into restart_exclude_gpu."""
+
+    after: int = 3
+    window: float = 3600.0
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str = "default"
+    max_restarts: int = 10
+    window: float = 86400.0
+    backoff: Backoff = field(default_factory=Backoff)
+    kill_grace: float = 30.0
+    actions: Mapping[FaultKind, Action] = field(default_factory=lambda: dict(DEFAULT_ACTIONS))
+    # Per Xid (an int) or per class (an xid.Immediate name such as "RESET_GPU").
+    xid_actions: Mapping[int | str, Action] = field(default_factory=dict)
+    escalate: Escalate = field(default_factory=Escalate)
+    exec: tuple[str, ...] = ()  # the operator hook: {job}, {gpu}, {kind} are filled in
+
+    def action_for(self, kind: FaultKind) -> Action:
+        return self.actions.get(kind, Action.ALERT)
+
+
+@dataclass(frozen=True)
+class Learned:
+    """Learned hang timeout: factor x p99 of observed step intervals, at least floor."""
+
+    factor: float = 5.0
+    floor: float = 60.0
+    min_samples: int = 20
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    timeout: float = 300.0
+    startup_timeout: float | None = None  # None: armed by the first beat only
+    learned: Learned | None = None
+    # The job declared that it beats: only then may silence from the start count.
+    required: bool = False
+    ranks: int | None = None  # the declared world size; None: not declared
+
+    @property
+    def max_ranks(self) -> int:
+        """How many distinct ranks of one attempt are believed; the rest are refused."""
+        return self.ranks if self.ranks is not None else DEFAULT_MAX_RANKS
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    dir: str | None = None
+    layout: str = "generic"
+    pattern: str = "step_{step}"
+    marker: str | None = None  # a file whose presence inside (or beside) means complete
+    quiet_for: float | None = None  # unchanged this long means complete; None: off
+    bad_after: int = 3  # deaths before the first beat that mark a checkpoint bad
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    command: tuple[str, ...]
+    workdir: str | None = None
+    user: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    resume_args: tuple[str, ...] = ()
+    checkpoints: Checkpoints = field(default_factory=Checkpoints)
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
+    policy: str = "default"
+    gpus: Gpus = field(default_factory=lambda: Gpus())
+    group: str | None = None  # the job's primary group; None: the user's own
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs a job runs on (NVML indices; None: every GPU of the host), and the
+    fewest it can run on after restart_exclude_gpu takes one away."""
+
+    devices: tuple[int, ...] | None = None
+    min: int = 1
+
+
+@dataclass(frozen=True)
+class Metrics:
+    address: str = "127.0.0.1"  # 0.0.0.0 only when Prometheus scrapes from another host
+    port: int = 9445
+
+
+@dataclass(frozen=True)
+class Gpu:
+    backend: str = "auto"
+    count: int = 0  # sim: how many GPUs to simulate
+    poll_interval: float = 1.0
+    kmsg: str | None = "/dev/kmsg"  # the kernel log read for Xids; null: off
+    thermal_sustain: float = 30.0
+    recheck_after: float | None = 3600.0  # excluded GPUs fault-free this long return; None: never
+
+
+@dataclass(frozen=True)
+class Config:
+    state_dir: str
+    run_dir: str
+    jobs: tuple[Job, ...]
+    policies: Mapping[str, Policy]
+    metrics: Metrics = field(default_factory=Metrics)
+    gpu: Gpu = field(default_factory=Gpu)
+    observe_only: bool = False
+    source: str = "<defaults>"
+
+    def policy_for(self, job: Job) -> Policy:
+        return self.policies[job.policy]
+
+    def job(self, name: str | None) -> Job:
+        if name is None:
+            if len(self.jobs) != 1:
+                names = ", ".join(j.name for j in self.jobs)
+                raise ConfigError(f"{self.source}: jobs: expected one job or --name, got {names}")
+            return self.jobs[0]
+        for j in self.jobs:
+            if j.name == name:
+                return j
+        raise ConfigError(f"{self.source}: jobs: no job named {show(name)}")
+
+
+def default_dirs() -> tuple[str, str]:
+    """(state_dir, run_dir): the system paths for root, per-user ones otherwise."""
+    if os.geteuid() == 0:
+        return "/var/lib/trainwatch", "/run/trainwatch"
+    home = Path.home()
+    state = os.environ.get("XDG_STATE_HOME") or str(home / ".local" / "state")
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/trainwatch-{os.getuid()}"
+    return f"{state}/trainwatch", f"{runtime}/trainwatch"
+
+def socket_room(run_dir: str, job: str) -> int | None:
+    """None when the job's socket fits sun_path; else the longest run_dir that would."""
+    over = len(os.fsencode(socket_path(run_dir, job))) - MAX_SOCKET_PATH
+    return None if over <= 0 else len(os.fsencode(run_dir)) - over
+
+
+def socket_problem(run_dir: str, job: str) -> str | None:
+    """Why run_dir cannot hold this job's socket ("expected ..., got ..."), or None."""
+    most = socket_room(run_dir, job)
+    if most is None:
+        return None
+    return (f"expected a path of at most {most} bytes, so that job {job}'s socket"
+            f" jobs/{job}.sock fits an AF_UNIX address ({MAX_SOCKET_PATH} bytes), got"
+            f" {len(os.fsencode(run_dir))} bytes: {show(run_dir, 300)}")
+
+def check_socket_paths(source: str, run_dir: str, jobs: tuple[Job, ...]) -> None:
+    """Each job's socket, run_dir/jobs/<name>.sock, must fit in sockaddr_un.sun_path."""
+    for j in jobs:
+        problem = socket_problem(run_dir, j.name)
+        if problem is not None:
+            raise ConfigError(f"{source}: run_dir: {problem}")
+
+
+def socket_path(run_dir: str, job: str) -> str:
+    """A job's heartbeat socket. In a folder of their own, so that no job's name
+    (``control``, say) can take the place of trainwatch's control socket."""
+    return os.path.join(run_dir, "jobs", f"{job}.sock")
+
+
+def with_job(config: Config, job: Job) -> Config:
+    """The config with its jobs replaced by this one (for `trainwatch run`)."""
+    return replace(config, jobs=(job,))
