@@ -2,7 +2,8 @@
 
 A job's processes are found through its published status in ``state_dir``
 (``jobs/<job>/status.json``): the leader's pid, its process group, and the pid
-of every rank that has beaten.
+of every rank that has beaten. None is signalled unless a trainwatch holds the
+job's lock and the process is proven the job's through a pidfd (identity.py).
 
 GPU drills reach the running trainwatch over its control socket in ``run_dir``
 (``trainwatch.control``), which hands them to the GPU source to be handled like
@@ -26,16 +27,22 @@ from trainwatch import status as jobstatus
 from trainwatch.sources.kmsg import normalise_pci, parse_line
 from trainwatch.xid import classify
 
+from faultinject import identity
+
 
 class DrillError(Exception):
     """The drill cannot be carried out: one line for the user."""
 
 
 def job_status(state_dir: str, job: str) -> dict[str, Any]:
+    """The job's status, refused when no trainwatch supervises the job now (the
+    status of one that was SIGKILLed names pids that may be strangers' now)."""
     s = jobstatus.read(state_dir, job)
     if s is None:
         raise DrillError(f"{jobstatus.status_path(state_dir, job)}: no status for job {job!r}"
                          " (is trainwatch supervising it, with this --state-dir?)")
+    if identity.supervised(state_dir, job) is False:
+        raise DrillError(f"job {job} is not supervised (no trainwatch holds its lock)")
     if s.get("state") not in ("starting", "running") or not s.get("pid"):
         raise DrillError(f"job {job!r} is {s.get('state')}, not running")
     return s
@@ -49,9 +56,26 @@ def _rank_pid(s: dict[str, Any], rank: int) -> int:
     return int(pid)
 
 
-def _kill(pid: int, sig: int) -> None:
+def _open(owner: identity.Owner, pid: int) -> int:
+    """A pidfd on pid, once it is proven the job's (see identity.py)."""
     try:
-        os.kill(pid, sig)
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise DrillError(f"process {pid} is gone") from None
+    except OSError as e:
+        raise DrillError(f"process {pid}: cannot open a pidfd ({e.strerror}), so it cannot be "
+                         "proven the job's; not signalled") from None
+    why = owner.why_not(pid)
+    if why is not None:
+        os.close(fd)
+        raise DrillError(f"process {pid} does not belong to job {owner.job!r} ({why}); "
+                         "not signalled")
+    return fd
+
+
+def _send(fd: int, pid: int, sig: int) -> None:
+    try:
+        signal.pidfd_send_signal(fd, sig)
     except ProcessLookupError:
         raise DrillError(f"process {pid} is gone") from None
     except PermissionError:
@@ -61,25 +85,25 @@ def _kill(pid: int, sig: int) -> None:
 def job_pids(s: dict[str, Any]) -> list[int]:
     """Every live process of the job's current attempt: the members of its
     cgroup when it has one, else its session and process group and every
-    descendant of its leader (torchrun's workers run in sessions of their own)."""
+    descendant of its leader (torchrun's workers run in sessions of their own).
+    Candidates only: each is proven the job's before it is signalled."""
     leader = int(s["pid"])
     cg = s.get("cgroup")
-    if isinstance(cg, str) and cg:
-        try:
-            with open(os.path.join(cg, "cgroup.procs")) as f:
-                pids = sorted(int(x) for x in f.read().split())
-            if pids:
-                return pids
-        except (OSError, ValueError):
-            pass  # gone or unreadable: fall back to the process tree
     found: set[int] = set()
-    for p in psutil.process_iter():
-        with contextlib.suppress(OSError, psutil.Error):
-            if os.getsid(p.pid) == leader or os.getpgid(p.pid) == leader:
-                found.add(p.pid)
-    with contextlib.suppress(psutil.Error):
-        found |= {c.pid for c in psutil.Process(leader).children(recursive=True)}
-        found.add(leader)
+    if isinstance(cg, str) and cg:
+        for d, _, _ in os.walk(cg):
+            with contextlib.suppress(OSError, ValueError), \
+                    open(os.path.join(d, "cgroup.procs")) as f:
+                found.update(int(x) for x in f.read().split())
+    else:
+        for p in psutil.process_iter():
+            with contextlib.suppress(OSError, psutil.Error):
+                if os.getsid(p.pid) == leader or os.getpgid(p.pid) == leader:
+                    found.add(p.pid)
+        with contextlib.suppress(psutil.Error):
+            found |= {c.pid for c in psutil.Process(leader).children(recursive=True)}
+            found.add(leader)
+    found.discard(os.getpid())
     if not found:
         raise DrillError(f"job {s['job']!r}: no live process found (leader pid {leader})")
     return sorted(found)
@@ -112,11 +136,15 @@ class Done:
 
 
 def crash(state_dir: str, job: str, rank: int | None = None) -> Done:
-    """SIGKILL the job's leader (or one rank's process)."""
+    """SIGKILL the job's leader (or one rank's process), once proven the job's."""
     s = job_status(state_dir, job)
     pid = int(s["pid"]) if rank is None else _rank_pid(s, rank)
-    why = notify(s, "crash", [pid])
-    _kill(pid, signal.SIGKILL)
+    fd = _open(identity.Owner(s), pid)
+    try:
+        why = notify(s, "crash", [pid])
+        _send(fd, pid, signal.SIGKILL)
+    finally:
+        os.close(fd)
     what = f"the leader (pid {pid})" if rank is None else f"rank {rank} (pid {pid})"
     return Done("SIGKILL", [pid], what, why)
 
@@ -125,27 +153,44 @@ def hang(state_dir: str, job: str, rank: int | None = None,
          seconds: float | None = None) -> Done:
     """SIGSTOP one rank's process, or every process of the job (every rank, the
     launcher, their children); with ``seconds``, SIGCONT them again after that
-    long."""
+    long (through the same pidfds: never a process that took a pid since).
+    Without a rank, a candidate not proven the job's is left alone."""
     s = job_status(state_dir, job)
-    if rank is None:
-        pids = job_pids(s)
-        what = f"every process of the job ({len(pids)})"
-    else:
-        pids = [_rank_pid(s, rank)]
-        what = f"rank {rank} (pid {pids[0]})"
-    why = notify(s, "hang", pids)
-    stopped = []
-    for pid in pids:
-        with contextlib.suppress(DrillError):  # one that exited meanwhile is fine
-            _kill(pid, signal.SIGSTOP)
-            stopped.append(pid)
-    if not stopped:
-        raise DrillError(f"job {job!r}: every process was gone before it could be stopped")
-    if seconds is not None:
-        time.sleep(seconds)
-        for pid in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)  # unless trainwatch already killed it
+    owner = identity.Owner(s)
+    fds: dict[int, int] = {}
+    try:
+        if rank is None:
+            refused: list[str] = []
+            for pid in job_pids(s):
+                try:
+                    fds[pid] = _open(owner, pid)
+                except DrillError as e:  # gone meanwhile, or not the job's
+                    refused.append(str(e))
+            if not fds:
+                raise DrillError(refused[0] if len(refused) == 1 else
+                                 f"job {job!r}: no process of it could be proven the job's "
+                                 f"({len(refused)} candidates)")
+            what = f"every process of the job ({len(fds)})"
+        else:
+            pid = _rank_pid(s, rank)
+            fds[pid] = _open(owner, pid)
+            what = f"rank {rank} (pid {pid})"
+        why = notify(s, "hang", sorted(fds))
+        stopped = []
+        for pid, fd in sorted(fds.items()):
+            with contextlib.suppress(DrillError):  # one that exited meanwhile is fine
+                _send(fd, pid, signal.SIGSTOP)
+                stopped.append(pid)
+        if not stopped:
+            raise DrillError(f"job {job!r}: every process was gone before it could be stopped")
+        if seconds is not None:
+            time.sleep(seconds)
+            for pid in stopped:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fds[pid], signal.SIGCONT)  # unless killed since
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return Done("SIGSTOP", stopped, what, why)
 
 

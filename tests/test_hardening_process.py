@@ -9,6 +9,7 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import stat
@@ -130,6 +131,58 @@ def test_sigkilled_trainwatch_run_takes_its_job_down(ws: Workspace) -> None:
         for pid in (leader, escaped):  # on failure: leave nothing behind
             if not is_gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+# `trainwatch run` where cgroups are not ours to write (as for a user without a
+# delegated subtree): cgroup.base() says so.
+_RUN_WITHOUT_CGROUP = (
+    "import sys, trainwatch.cgroup as c; c.base = lambda *a, **k: None; "
+    "from trainwatch.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def test_sigkilled_trainwatch_run_without_a_cgroup_takes_the_jobs_children_down(
+        ws: Workspace) -> None:
+    """Without a cgroup, SIGKILL of `run` still kills a child in the job's process group, one
+    in its session but another group, and that one's child that left the session."""
+    _need_root()
+    f = {k: ws.root / k for k in ("group", "session", "escaped")}
+    child = ("import os, subprocess, time; os.setpgid(0, 0); "
+             f"open('{f['session']}', 'w').write(str(os.getpid())); "
+             "p = subprocess.Popen(['setsid', 'sleep', '300']); "
+             f"open('{f['escaped']}', 'w').write(str(p.pid)); time.sleep(300)")
+    script = (f"sleep 300 & echo $! > {f['group']}; {sys.executable} -c {shlex.quote(child)} & "
+              "wait")
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    p = subprocess.Popen([sys.executable, "-c", _RUN_WITHOUT_CGROUP, "run", "--config",
+                          str(ws.config({"command": ["bash", "-c", script]})),
+                          "--no-passthrough"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ws.procs.append(p)
+    pids: list[int] = []
+    try:
+        s = wait_for(lambda: (st := ws.status()).get("pid") and st, timeout=30,
+                     what="the job to start")
+        assert s["cgroup"] is None  # the fallback: membership by session and process group
+        pids = [int(s["pid"])] + [
+            int(wait_for(lambda k=k: f[k].exists() and f[k].read_text().strip(),
+                         what=f"the {k} pid")) for k in ("group", "session", "escaped")]
+        leader, group, session, escaped = pids
+        assert os.getpgid(group) == leader
+        assert os.getsid(session) == leader and os.getpgid(session) != leader
+        assert os.getsid(escaped) != leader
+        p.kill()
+        p.wait()
+        for pid in pids:
+            wait_for(lambda pid=pid: is_gone(pid), timeout=10,
+                     what=f"process {pid} to die with trainwatch")
+        assert bystander.poll() is None  # never a stranger
+    finally:
+        for pid in pids:  # on failure: leave nothing behind
+            if not is_gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        bystander.kill()
+        bystander.wait()
 
 
 def test_reader_that_stops_reading_our_stdout_does_not_stall_the_loop(ws: Workspace) -> None:

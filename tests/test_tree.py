@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import missing, wait_for
 from trainwatch import cgroup
-from trainwatch.attempt import Attempt
+from trainwatch.attempt import Attempt, reap_watchers
 from trainwatch.config import Job
 from trainwatch.tree import is_gone, proc_stat
 
@@ -135,29 +135,43 @@ def test_signal_after_close_reaches_nobody(logs: Path) -> None:
 
 _SUPERVISOR = textwrap.dedent(
     """
-    import sys, time
+    import shlex, sys, time
     from pathlib import Path
+    import trainwatch.cgroup
+    mode, tmp = sys.argv[1], Path(sys.argv[2])
+    if mode == "fallback":
+        trainwatch.cgroup.base = lambda *a, **k: None
     from trainwatch.attempt import Attempt
     from trainwatch.config import Job
-    tmp = Path(sys.argv[1])
-    cmd = f"setsid sh -c 'sleep 300 & echo $! > {tmp}/escaped' & exec sleep 300"
+    py = sys.executable
+    if mode == "cgroup":  # a descendant that left the session and whose parent is gone
+        cmd = f"setsid sh -c 'sleep 300 & echo $! > {tmp}/escaped' & exec sleep 300"
+    else:  # a member in another process group, whose child left the session
+        child = ("import os, subprocess, time; os.setpgid(0, 0); "
+                 "p = subprocess.Popen(['setsid', 'sleep', '300']); "
+                 f"open('{tmp}/escaped', 'w').write(str(p.pid)); time.sleep(300)")
+        cmd = f"{py} -c {shlex.quote(child)} & exec sleep 300"
     a = Attempt(Job(name="orphanjob", command=("sh", "-c", cmd)), 0, str(tmp / "x.sock"),
                 None, None, tmp / "logs", passthrough=False, die_with_parent=True)
+    assert (a.cgroup is None) == (mode == "fallback"), a.cgroup
     print(a.pid, flush=True)
     time.sleep(300)
     """
 )
 
 
-def test_attempt_started_to_die_with_its_parent_does_not_outlive_a_sigkill(logs: Path) -> None:
-    """die_with_parent: SIGKILL of the supervising process takes the leader and, with a cgroup,
-    an escaped descendant too."""
-    _need_cgroup()
-    sup = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, str(logs)],
+@pytest.mark.parametrize("mode", ["cgroup", "fallback"])
+def test_attempt_started_to_die_with_its_parent_does_not_outlive_a_sigkill(
+        logs: Path, mode: str) -> None:
+    """die_with_parent: SIGKILL of the supervising process takes the leader and an escaped
+    descendant: with a cgroup, any; without, one whose parent was still in the session."""
+    _need_cgroup() if mode == "cgroup" else _need_root()
+    sup = subprocess.Popen([sys.executable, "-c", _SUPERVISOR, mode, str(logs)],
                            stdout=subprocess.PIPE, text=True)
     assert sup.stdout is not None
     leader = int(sup.stdout.readline())
     escaped = _read_pid(logs / "escaped")
+    assert os.getsid(escaped) != leader  # it did leave the job's session
     sup.kill()
     sup.wait()
     sup.stdout.close()
@@ -168,6 +182,33 @@ def test_attempt_started_to_die_with_its_parent_does_not_outlive_a_sigkill(logs:
         for pid in (leader, escaped):
             if not is_gone(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("mode", ["cgroup", "fallback"])
+def test_watcher_is_stood_down_at_close_and_reaped_by_us(
+        logs: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher of an attempt that dies with us exits at close(), killing nothing, and is
+    reaped by the attempts (no supervisor here), never left a zombie."""
+    if mode == "fallback":
+        monkeypatch.setattr(cgroup, "base", lambda *a, **k: None)
+    else:
+        _need_cgroup()
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    a = Attempt(Job(name="watched", command=("sleep", "300")), 0, str(logs / "x.sock"), None,
+                None, logs / "logs", passthrough=False, die_with_parent=True)
+    try:
+        assert (a.cgroup is None) == (mode == "fallback")
+        watcher = a.watcher_pid
+        assert watcher is not None and not is_gone(watcher)
+        _end(a)
+        assert a.watcher_pid is None
+        wait_for(lambda: (reap_watchers(), proc_stat(watcher) is None)[1], timeout=10,
+                 what="the watcher to exit and be reaped")
+        assert bystander.poll() is None
+    finally:
+        _end(a)
+        bystander.kill()
+        bystander.wait()
 
 
 _IN_NAMESPACE = textwrap.dedent(
