@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import sqlite3
@@ -195,3 +196,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def need_root(what: str) -> None:
+    """Acting as other users, mounting, cgroups: root, as in CI (where a lack fails)."""
+    if os.geteuid() != 0:
+        missing(f"needs root: {what}")
+
+
+def local_user(name: str) -> pwd.struct_passwd:
+    """A local system user (and its group) for the test, created when missing."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        need_root(f"create the test user {name}")
+        subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell",
+                        "/usr/sbin/nologin", name], check=True, capture_output=True, timeout=30)
+        return pwd.getpwnam(name)
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A folder under /tmp that other users can traverse (pytest's tmp_path is root's 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="twv", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -13,13 +13,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Workspace, missing, wait_for
+from conftest import Workspace, local_user, missing, wait_for
 from trainwatch.config import from_mapping
 from trainwatch.job import JobRunner
 from trainwatch.supervisor import Supervisor
@@ -28,28 +26,8 @@ from trainwatch.types import JobState
 VICTIM = "twvictim"
 
 
-@pytest.fixture
-def open_tmp() -> Iterator[Path]:
-    """A folder under /tmp that another user can traverse (pytest's tmp_path is root's 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="twv", dir="/tmp"))
-    d.chmod(0o755)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
-
-
 def _user(name: str) -> pwd.struct_passwd:
-    """A local user for the test (created when we may: root, as in CI)."""
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        pass
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        missing(f"user {name} does not exist and cannot be created (needs root and useradd)")
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                    name], check=True, capture_output=True)
-    return pwd.getpwnam(name)
+    return local_user(name)
 
 
 def _as(uid: int, gid: int, *argv: str, env: dict[str, str] | None = None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import subprocess
 import sys
 import textwrap
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import Workspace, missing, wait_for
+from conftest import Workspace, local_user, missing, need_root, wait_for
 
 USER = "twtest1"  # trainwatch and its job run as this user where a foreign sender must share it
 NOBODY = 65534
@@ -89,13 +88,8 @@ _FLOOD = textwrap.dedent(
 
 
 def _ensure_user() -> tuple[int, int]:
-    if os.geteuid() != 0:
-        missing("these attacks need root (to act as other users)")
-    try:
-        pw = pwd.getpwnam(USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", USER], check=True)
-        pw = pwd.getpwnam(USER)
+    need_root("these attacks act as other users")
+    pw = local_user(USER)
     return pw.pw_uid, pw.pw_gid
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import grp
 import os
-import pwd
 import resource
 import signal
 import socket
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Workspace, free_port, missing, wait_for
+from conftest import Workspace, free_port, local_user, missing, need_root, wait_for
 from test_metrics import Scrape
 
 # A job that records each attempt in a journal outside the state_dir, prints
@@ -47,8 +46,7 @@ while True:
 
 
 def _need_root(what: str) -> None:
-    if os.geteuid() != 0:
-        missing(f"needs root: {what}")
+    need_root(what)
 
 
 def _start(ws: Workspace, config: Path, nofile: int | None = None) -> subprocess.Popen[bytes]:
@@ -286,14 +284,7 @@ def test_the_lock_is_released_when_its_holder_is_killed(ws: Workspace) -> None:
 
 
 def _user(name: str) -> tuple[int, int]:
-    """A system user (and its group) made for the test if it does not exist."""
-    try:
-        pw = pwd.getpwnam(name)
-    except KeyError:
-        _need_root("create a test user")
-        subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", name],
-                       check=True, capture_output=True, timeout=30)
-        pw = pwd.getpwnam(name)
+    pw = local_user(name)
     return pw.pw_uid, pw.pw_gid
 
 

@@ -15,31 +15,21 @@ import signal
 import stat
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from conftest import Workspace, finish, missing, wait_for
+from conftest import Workspace, finish, local_user, missing, need_root, wait_for
 from trainwatch.tree import is_gone
 
 USER, GROUP = "twtest1", "twtestg"
 
 
 def _need_root() -> None:
-    if os.geteuid() != 0:
-        missing("needs root (other users, mounts)")
+    need_root("other users, mounts")
 
 
 def _user(name: str) -> pwd.struct_passwd:
-    """A local user for the test, created when missing (we are root in CI)."""
     _need_root()
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                        "/usr/sbin/nologin", name], check=True, capture_output=True)
-        return pwd.getpwnam(name)
+    return local_user(name)
 
 
 def _group(name: str) -> grp.struct_group:
@@ -49,17 +39,6 @@ def _group(name: str) -> grp.struct_group:
     except KeyError:
         subprocess.run(["groupadd", "--system", name], check=True, capture_output=True)
         return grp.getgrnam(name)
-
-
-@pytest.fixture
-def open_tmp() -> Iterator[Path]:
-    """A folder another user can traverse (pytest's tmp_path is root's 0700)."""
-    d = Path(tempfile.mkdtemp(prefix="twp", dir="/tmp"))
-    d.chmod(0o755)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def _logs(ws: Workspace) -> Path:
