@@ -253,6 +253,9 @@ class HeartbeatSocket:
                 continue
             if at is None:
                 at = self.clock()  # one receive time per batch: they arrived together
+            if data[:1] != b"{":  # not JSON at all: no exception to build for it
+                c.malformed += 1
+                continue
             try:
                 obs = parse(data, pid, at)
             except Exception:  # whatever a datagram holds must never reach the loop
