@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -202,3 +203,34 @@ def test_state_dir_writable_by_another_group_is_refused(ws: Workspace) -> None:
     assert r.returncode == 2, r.stderr
     assert "writable by group 50" in r.stderr and len(r.stderr.splitlines()) == 1
     assert list(elsewhere.iterdir()) == []
+
+
+def test_an_exit_whose_handling_failed_is_handled_again(
+        ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 6: if acting on the leader's exit raises once, the exit is not forgotten (the job
+    does not stay `running` around a zombie): the next round handles it and the job ends."""
+    import trainwatch.job as jobmod
+
+    doc = {"state_dir": str(ws.state), "run_dir": str(ws.root / "run"), "metrics": {"port": 0},
+           "gpu": {"backend": "off"}, "jobs": [{"name": "j", "command": ws.worker("--steps", "5")}]}
+    sup = Supervisor(from_mapping(doc))
+    real = jobmod.detect_crash
+    calls = {"n": 0}
+
+    def flaky(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("a bug while judging the exit")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(jobmod, "detect_crash", flaky)
+    done = threading.Event()
+    timer = threading.Timer(30, lambda: done.is_set() or sup.request_stop())
+    timer.start()
+    try:
+        rc = sup.run(install_signals=False)
+    finally:
+        done.set()
+        timer.cancel()
+    assert calls["n"] == 2 and sup.loop_errors == 1
+    assert rc == 0 and sup.runners[0].state is JobState.EXITED

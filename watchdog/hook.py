@@ -13,8 +13,9 @@ from collections.abc import Sequence
 log = logging.getLogger("trainwatch")
 
 
-def run(cmd: Sequence[str], job: str, kind: str, gpu: int | None) -> None:
-    """Start the hook (nothing when ``cmd`` is empty); never raises."""
+def run(cmd: Sequence[str], job: str, kind: str, gpu: int | None, umask: int = -1) -> None:
+    """Start the hook (nothing when ``cmd`` is empty), with the umask trainwatch was
+    started with (not its own 0o077); never raises."""
     if not cmd:
         return
     fill = {"{job}": job, "{gpu}": "" if gpu is None else str(gpu), "{kind}": kind}
@@ -28,7 +29,8 @@ def run(cmd: Sequence[str], job: str, kind: str, gpu: int | None) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINWATCH_")}
         env.update(TRAINWATCH_HOOK_JOB=job, TRAINWATCH_HOOK_FAULT=kind,
                    TRAINWATCH_HOOK_GPU=fill["{gpu}"])
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                             umask=umask)
     except OSError as e:
         log.error("job %s: exec hook %s: %s", job, argv[0], e.strerror or e)
         return

@@ -152,6 +152,7 @@ class JobRunner:
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
         self.drill: DrillNotice | None = None
+        self._exit_handled = -1  # the attempt whose leader's exit has been acted on
         self.reports_refused = 0  # checkpoint reports outside checkpoints.dir
         self._over_cap_before = 0  # beats of ranks beyond the cap, in earlier attempts
         self._output_dropped_before = 0  # bytes of output lost by earlier attempts
@@ -415,14 +416,16 @@ class JobRunner:
             self.sel.unregister(fd)
 
     def _on_exit_ready(self, fd: int) -> None:
-        self._unregister(fd)  # a pidfd stays readable once the process has exited
+        # Handled first: should it raise, the pidfd stays registered (it stays
+        # readable once the process has exited) and the exit is handled next round.
         self._check_exit()
+        self._unregister(fd)
 
     def _check_exit(self) -> None:
         a = self.attempt
-        if a is None or a.returncode is not None:
+        if a is None or self._exit_handled == a.number:
             return
-        rc = a.poll_exit()
+        rc = a.returncode if a.returncode is not None else a.poll_exit()
         if rc is None:
             return
         if self.state is not JobState.STARTING and self.state is not JobState.RUNNING:
@@ -438,6 +441,7 @@ class JobRunner:
             self._begin_stop(JobState.EXITED, "the job finished (exit 0)")
         else:
             self._handle(fault)
+        self._exit_handled = a.number  # not before: a handling that raised is tried again
 
     def tick(self, now: float) -> None:
         self._poll_socket(now)
@@ -447,7 +451,7 @@ class JobRunner:
             self.checkpoints_at = now + _CATALOG_EVERY
         a = self.attempt
         live = self.state in (JobState.STARTING, JobState.RUNNING)
-        if live and a is not None and a.pidfd is None and a.returncode is None:
+        if live and a is not None and a.pidfd is None and self._exit_handled != a.number:
             self._check_exit()
         if self.last_step != self.published_step and now - self.published_at >= _PUBLISH_EVERY:
             self._publish()
@@ -581,7 +585,7 @@ class JobRunner:
                                   f" (job {self.job.name})".replace("  ", " "))
 
     def _run_exec_hook(self, kind: str, gpu: int | None) -> None:
-        hook.run(self.policy.exec, self.job.name, kind, gpu)
+        hook.run(self.policy.exec, self.job.name, kind, gpu, self.umask)
 
     def _handle(self, fault: Fault, action: Action | None = None) -> None:
         a = self.attempt
