@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-from trainwatch import control
+from trainwatch import cgroup, control
 from trainwatch import status as jobstatus
 from trainwatch.sources.kmsg import normalise_pci, parse_line
 from trainwatch.xid import classify
@@ -91,10 +91,7 @@ def job_pids(s: dict[str, Any]) -> list[int]:
     cg = s.get("cgroup")
     found: set[int] = set()
     if isinstance(cg, str) and cg:
-        for d, _, _ in os.walk(cg):
-            with contextlib.suppress(OSError, ValueError), \
-                    open(os.path.join(d, "cgroup.procs")) as f:
-                found.update(int(x) for x in f.read().split())
+        found = cgroup.procs_below(cg)
     else:
         for p in psutil.process_iter():
             with contextlib.suppress(OSError, psutil.Error):

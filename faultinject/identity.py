@@ -49,12 +49,6 @@ def supervised(state_dir: str, job: str) -> bool | None:
     return False
 
 
-def _cgroup2_mounts() -> list[str]:
-    with contextlib.suppress(OSError, psutil.Error):
-        return [p.mountpoint for p in psutil.disk_partitions(all=True) if p.fstype == "cgroup2"]
-    return []
-
-
 class Owner:
     """Proves that a process is one of the job's, as its status describes it."""
 
@@ -96,12 +90,12 @@ class Owner:
         rel = cgroup.of(pid)
         if rel is None:
             return "it is gone"
-        for mount in _cgroup2_mounts():
+        mount = cgroup.mount()
+        if mount is not None:
             root = os.path.normpath(mount)
             # Never the hierarchy's root itself: every process would be "in" it.
-            if not self.cgroup.startswith(root.rstrip("/") + "/"):
-                continue
-            where = os.path.normpath(os.path.join(root, rel.lstrip("/")))
-            if where == self.cgroup or where.startswith(self.cgroup + "/"):
-                return None
+            if self.cgroup.startswith(root.rstrip("/") + "/"):
+                where = os.path.normpath(os.path.join(root, rel.lstrip("/")))
+                if where == self.cgroup or where.startswith(self.cgroup + "/"):
+                    return None
         return f"not in the job's cgroup {self.cgroup}"

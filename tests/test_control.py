@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace, missing
+from conftest import Workspace, missing, need_root
 from trainwatch.control import (
     MAX_REQUEST,
     ControlError,
@@ -38,12 +38,7 @@ Calls = list[tuple[str, dict[str, Any]]]
 
 
 def _require_root() -> None:
-    """Dropping to another uid needs root; in CI not being root is a failure, not a skip."""
-    if os.geteuid() == 0:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail("this test must run as root in CI (it drops privileges to uid 65534)")
-    pytest.skip("needs root to drop privileges to uid 65534")
+    need_root("dropping privileges to uid 65534")
 
 
 @pytest.fixture

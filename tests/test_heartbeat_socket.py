@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from conftest import need_root
 from trainwatch import client
 from trainwatch.ownership import UnsafeDir
 from trainwatch.sources.heartbeat import MAX_DATAGRAM, HeartbeatSocket
@@ -38,12 +39,7 @@ def _send(path: Path, data: bytes) -> None:
 
 
 def _require_root() -> None:
-    """Dropping to another uid needs root; in CI not being root is a failure, not a skip."""
-    if os.geteuid() == 0:
-        return
-    if os.environ.get("CI") == "true":
-        pytest.fail("this test must run as root in CI (it drops privileges to uid 65534)")
-    pytest.skip("needs root to drop privileges to uid 65534")
+    need_root("dropping privileges to uid 65534")
 
 
 def _read_lines(stream: IO[str] | None, n: int, timeout: float = 20.0) -> list[str]:

@@ -22,7 +22,7 @@ _SWEEP_AFTER = 60.0  # seconds
 _leftover: set[str] = set()  # our cgroups closed while processes remained (observe_only)
 
 
-def _mount(mounts: str) -> str | None:
+def mount(mounts: str = "/proc/mounts") -> str | None:
     """Where cgroup2 is mounted (the first one), from /proc/mounts."""
     try:
         with open(mounts) as f:
@@ -75,7 +75,7 @@ def of(pid: int) -> str | None:
 def base(mounts: str = "/proc/mounts", self_cgroup: str = "/proc/self/cgroup"
          ) -> tuple[str, str] | None:
     """(mount point, our cgroup path) when we can create cgroups below our own."""
-    mnt, own = _mount(mounts), _own(self_cgroup)
+    mnt, own = mount(mounts), _own(self_cgroup)
     if mnt is None or own is None or own.endswith(" (deleted)"):
         return None
     path = os.path.join(mnt, own.lstrip("/"))
@@ -101,6 +101,18 @@ def _sweep(parent: str) -> None:
         with contextlib.suppress(OSError):
             if time.time() - os.stat(path).st_ctime > _SWEEP_AFTER:
                 os.rmdir(path)
+
+
+def procs_below(path: str) -> set[int]:
+    """Every live process in the cgroup folder ``path`` and below it."""
+    out: set[int] = set()
+    for d, _, _ in os.walk(path):
+        try:
+            with open(os.path.join(d, "cgroup.procs"), "rb") as f:
+                out.update(int(x) for x in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 class AttemptCgroup:
@@ -146,14 +158,7 @@ class AttemptCgroup:
 
     def procs(self) -> set[int]:
         """Every live process in it and below (zombies are not listed)."""
-        out: set[int] = set()
-        for d, _, _ in os.walk(self.path):
-            try:
-                with open(os.path.join(d, "cgroup.procs"), "rb") as f:
-                    out.update(int(x) for x in f.read().split())
-            except (OSError, ValueError):
-                continue
-        return out
+        return procs_below(self.path)
 
     def populated(self) -> bool:
         try:
