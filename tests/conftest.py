@@ -224,3 +224,67 @@ def open_tmp() -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+# What `python -m trainwatch.cli` imports at run time, besides trainwatch itself.
+_RUNTIME = ("psutil", "yaml", "_yaml", "prometheus_client", "pynvml.py")
+
+
+@dataclass
+class UserPython:
+    """How another user runs trainwatch: an interpreter they may execute and a
+    PYTHONPATH with trainwatch and its run-time dependencies."""
+
+    python: str
+    path: str
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"PATH": os.environ.get("PATH", os.defpath), "PYTHONPATH": self.path, **extra}
+
+
+@pytest.fixture(scope="session")
+def user_python() -> Iterator[UserPython]:
+    """The checkout, its venv and our own interpreter may sit in folders only root
+    can enter (a clean clone in a 0700 temp dir; pyenv under /root): copy trainwatch
+    and what it imports into a folder anyone can read, and pick an interpreter of
+    the same version that uid 65534 can run with it."""
+    need_root("running trainwatch as another user")
+    import importlib.util
+
+    import trainwatch
+
+    site = Path(tempfile.mkdtemp(prefix="twsite", dir="/tmp"))
+    site.chmod(0o755)
+    try:
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(Path(trainwatch.__file__).parent, site / "trainwatch", ignore=ignore)
+        for name in _RUNTIME:
+            spec = importlib.util.find_spec(name.removesuffix(".py"))
+            if spec is None or spec.origin is None:
+                continue
+            src = Path(spec.origin)
+            if src.name == "__init__.py":
+                shutil.copytree(src.parent, site / src.parent.name, ignore=ignore)
+            else:
+                shutil.copy2(src, site / src.name)
+        for root, dirs, files in os.walk(site):
+            for d in dirs:
+                os.chmod(os.path.join(root, d), 0o755)
+            for f in files:
+                os.chmod(os.path.join(root, f), 0o644 if not f.endswith(".so") else 0o755)
+        version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+        for python in (f"/usr/bin/{version}", f"/usr/local/bin/{version}",
+                       os.path.realpath(sys.executable)):
+            # Importable, and executable by the check trainwatch makes of a job's program.
+            probe = subprocess.run(
+                ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c",
+                 "import os, sys, trainwatch.cli, trainwatch.supervisor; "
+                 "sys.exit(not os.access(sys.argv[1], os.X_OK))", python],
+                env={"PATH": os.defpath, "PYTHONPATH": str(site)}, capture_output=True,
+                check=False, timeout=60)
+            if probe.returncode == 0:
+                yield UserPython(python, str(site))
+                return
+        missing(f"no {version} that another user may run with trainwatch's copy in {site}")
+    finally:
+        shutil.rmtree(site, ignore_errors=True)

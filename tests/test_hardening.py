@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Workspace, local_user, missing, wait_for
+from conftest import UserPython, Workspace, local_user, missing, wait_for
 from trainwatch.config import from_mapping
 from trainwatch.job import JobRunner
 from trainwatch.supervisor import Supervisor
@@ -40,7 +40,8 @@ def _as(uid: int, gid: int, *argv: str, env: dict[str, str] | None = None,
                           check=False)
 
 
-def test_default_run_dir_prepared_by_another_user_is_refused(open_tmp: Path) -> None:
+def test_default_run_dir_prepared_by_another_user_is_refused(
+        open_tmp: Path, user_python: UserPython) -> None:
     """Item 3: uid 65534 pre-creates the victim's /tmp/trainwatch-<uid>/trainwatch; the victim's
     trainwatch refuses it in one line, exit 2, and binds nothing there."""
     victim = _user(VICTIM)
@@ -52,8 +53,8 @@ def test_default_run_dir_prepared_by_another_user_is_refused(open_tmp: Path) -> 
         state = open_tmp / "state"
         state.mkdir()
         os.chown(state, victim.pw_uid, victim.pw_gid)
-        env = {"PATH": os.environ["PATH"], "HOME": str(open_tmp)}
-        r = _as(victim.pw_uid, victim.pw_gid, sys.executable, "-m", "trainwatch.cli", "run",
+        env = user_python.env(HOME=str(open_tmp))
+        r = _as(victim.pw_uid, victim.pw_gid, user_python.python, "-m", "trainwatch.cli", "run",
                 "--name", "j", "--state-dir", str(state), "--metrics-port", "0", "--",
                 "/bin/true", env=env)
         assert r.returncode == 2, r.stderr
@@ -64,16 +65,17 @@ def test_default_run_dir_prepared_by_another_user_is_refused(open_tmp: Path) -> 
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_own_default_run_dir_is_created_private(open_tmp: Path) -> None:
+def test_own_default_run_dir_is_created_private(
+        open_tmp: Path, user_python: UserPython) -> None:
     """Item 3: a run_dir trainwatch creates for a user is 0700, owned by that user."""
     victim = _user(VICTIM)
     base = Path(f"/tmp/trainwatch-{victim.pw_uid}")
     shutil.rmtree(base, ignore_errors=True)
     try:
         state = open_tmp / "state"
-        env = {"PATH": os.environ["PATH"], "HOME": str(open_tmp)}
+        env = user_python.env(HOME=str(open_tmp))
         os.chown(open_tmp, victim.pw_uid, victim.pw_gid)
-        r = _as(victim.pw_uid, victim.pw_gid, sys.executable, "-m", "trainwatch.cli", "run",
+        r = _as(victim.pw_uid, victim.pw_gid, user_python.python, "-m", "trainwatch.cli", "run",
                 "--name", "j", "--state-dir", str(state), "--metrics-port", "0", "-q", "--",
                 "/bin/true", env=env)
         assert r.returncode == 0, r.stderr

@@ -13,11 +13,10 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import psutil
 import pytest
-from conftest import Workspace, local_user, missing, need_root, wait_for
+from conftest import UserPython, Workspace, local_user, need_root, wait_for
 
 USER = "twtest1"  # trainwatch and its job run as this user where a foreign sender must share it
 NOBODY = 65534
@@ -97,37 +96,24 @@ def _as(uid: int, gid: int) -> list[str]:
     return ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
 
 
-def _python_for(user: tuple[int, int]) -> str:
-    """An interpreter ``user`` passes trainwatch's os.access check on (a venv
-    under /root, say, does not)."""
-    probe = "import os, sys; sys.exit(not os.access(sys.argv[1], os.X_OK))"
-    for py in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
-        if subprocess.run([*_as(*user), sys.executable, "-c", probe, py],
-                          check=False).returncode == 0:
-            return py
-    missing(f"no python that uid {user[0]} may run")
-    raise AssertionError("unreachable")
-
-
 def _start(
-    ws: Workspace, mode: str, as_user: tuple[int, int] | None = None
+    ws: Workspace, mode: str, as_user: tuple[int, int] | None = None,
+    user_python: UserPython | None = None,
 ) -> subprocess.Popen[bytes]:
-    """`trainwatch run` (as root, or as ``as_user``) supervising the job in ``mode``."""
+    """`trainwatch run` (as root, or as ``as_user`` with ``user_python``) supervising the
+    job in ``mode``."""
     script = ws.root / "job.py"
     script.write_text(_JOB)
-    job_python, env = sys.executable, dict(os.environ)
+    python, env = sys.executable, dict(os.environ)
     if as_user is not None:
+        assert user_python is not None
         os.chown(ws.root, *as_user)
         os.chmod(ws.root, 0o700)
-        job_python = _python_for(as_user)
-        # The client for whichever interpreter the job gets (stdlib only).
-        (ws.root / "lib").mkdir()
-        (ws.root / "lib" / "trainwatch").symlink_to(Path(__file__).parent.parent / "watchdog")
-        env["PYTHONPATH"] = str(ws.root / "lib")
-    argv = [sys.executable, "-m", "trainwatch.cli", "run", "--name", "job",
+        python, env = user_python.python, user_python.env()
+    argv = [python, "-m", "trainwatch.cli", "run", "--name", "job",
             "--state-dir", str(ws.state), "--run-dir", str(ws.root / "run"),
             "--metrics-port", "0", "--no-passthrough", "--heartbeat-timeout", "5s",
-            "--max-restarts", "3", "--", job_python, str(script), mode,
+            "--max-restarts", "3", "--", python, str(script), mode,
             str(ws.root / "report.json")]
     if as_user is not None:
         argv = _as(*as_user) + argv
@@ -197,15 +183,16 @@ def test_another_user_cannot_connect_to_the_jobs_socket(ws: Workspace) -> None:
     _finish_clean(ws, p)
 
 
-def test_a_flood_from_outside_the_tree_is_cheap_and_harmless(ws: Workspace) -> None:
+def test_a_flood_from_outside_the_tree_is_cheap_and_harmless(
+        ws: Workspace, user_python: UserPython) -> None:
     """15,000 datagrams from the job's own user outside its tree: no hang incident, each
     counted foreign, and trainwatch's CPU for them stays bounded."""
     user = _ensure_user()
-    p = _start(ws, "beat", as_user=user)
+    p = _start(ws, "beat", as_user=user, user_python=user_python)
     _running(ws, p)
     sock = str(ws.status()["socket"])
     cpu0 = _cpu(p.pid)
-    out = subprocess.run([*_as(*user), sys.executable, "-c", _FLOOD, sock, "15000"],
+    out = subprocess.run([*_as(*user), user_python.python, "-c", _FLOOD, sock, "15000"],
                          capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "sent 15000"
     wait_for(lambda: _counters(ws).get("foreign", 0) >= 15000, what="15,000 foreign datagrams")
