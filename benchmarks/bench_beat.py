@@ -27,7 +27,7 @@ phase's start and end (CLOCK_MONOTONIC) to a file and exits 0, so trainwatch
 must exit 0 too.
 
 This is the figure a job sees: while beats flow, trainwatch does not wait on
-the socket but reads it every 50 ms (``_BEAT_POLL`` in trainwatch/job.py), so
+the socket but reads it every 50 ms (``BEAT_POLL`` in trainwatch/sources/beatpoll.py), so
 a ``send()`` normally has nobody to wake. The kernel queues at most
 net.unix.max_dgram_qlen (+1) datagrams between two reads; a beat beyond that
 is dropped (EAGAIN; the next supersedes it). A dropped call is cheaper than a

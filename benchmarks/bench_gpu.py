@@ -141,7 +141,7 @@ while True:
 # 15 x 4 = 60 (GPU, Xid) pairs, so at ~5 samples/s a pair comes back after ~12 s.
 XIDS = (13, 31, 43, 45, 48, 63, 64, 74, 79, 92, 94, 95, 109, 119, 120)
 SIM_GPUS = 4
-DEDUP_S = 10.0  # trainwatch.gpuhealth.GpuHealth's dedup_window
+DEDUP_S = 10.0  # trainwatch.state.gpuhealth.GpuHealth's dedup_window
 REUSE_S = DEDUP_S + 1.0
 LATENCY_GOAL_MS = 100.0
 CPU_GOAL_PCT = 0.5

@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-from trainwatch import cgroup, control
-from trainwatch import status as jobstatus
+from trainwatch import control
+from trainwatch.actions import cgroup
+from trainwatch.detectors.xid import classify
+from trainwatch.export import status as jobstatus
 from trainwatch.sources.kmsg import normalise_pci, parse_line
-from trainwatch.xid import classify
 
 from faultinject import identity
 

@@ -22,9 +22,9 @@ import os
 from typing import Any
 
 import psutil
-from trainwatch import cgroup
-from trainwatch.joblock import lock_path
-from trainwatch.tree import proc_stat
+from trainwatch.actions import cgroup
+from trainwatch.actions.tree import proc_stat
+from trainwatch.state.joblock import lock_path
 
 
 def supervised(state_dir: str, job: str) -> bool | None:

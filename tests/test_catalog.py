@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
-from trainwatch.catalog import Catalog
 from trainwatch.config import Checkpoints
+from trainwatch.state.catalog import Catalog
 
 NOW = 1_700_000_000.0  # the injected wall clock
 
@@ -336,7 +336,7 @@ def test_a_flood_of_reports_is_bounded_and_written_once_a_second(
 ) -> None:
     """4,000 reports: the refused ones (outside the dir, too long) are said so, the newest
     MAX_REPORTS are kept, and the state file is rewritten once per SAVE_EVERY, not per report."""
-    from trainwatch.catalog import MAX_PATH, MAX_REPORTS
+    from trainwatch.state.catalog import MAX_PATH, MAX_REPORTS
 
     cat = _catalog(ckpt_dir, state)
     assert not cat.report(1, "/elsewhere/step_1")

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from trainwatch import cli
 from trainwatch.config import ConfigError, Job, from_mapping, load, parse_duration
+from trainwatch.detectors.xid import Immediate
 from trainwatch.supervisor import _check_command
 from trainwatch.types import DETECTED_KINDS, FaultKind
-from trainwatch.xid import Immediate
 
 JOB = "jobs: [{name: j, command: [python, train.py]}]\n"
 DUR = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"

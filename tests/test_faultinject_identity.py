@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 from conftest import Workspace, missing, wait_for
-from trainwatch import cgroup, joblock
-from trainwatch import status as jobstatus
-from trainwatch.cgroup import AttemptCgroup
-from trainwatch.tree import is_gone, proc_stat
+from trainwatch.actions import cgroup
+from trainwatch.actions.cgroup import AttemptCgroup
+from trainwatch.actions.tree import is_gone, proc_stat
+from trainwatch.export import status as jobstatus
+from trainwatch.state import joblock
 
 
 def _faultinject(state: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from trainwatch.detectors.gpu import HW_SLOWDOWN
-from trainwatch.gpuhealth import GpuHealth, GpuState
 from trainwatch.sources.gpusim import SimGpus
+from trainwatch.state.gpuhealth import GpuHealth, GpuState
 from trainwatch.types import FaultKind, GpuSample, XidEvent
 
 

@@ -216,16 +216,17 @@ def test_an_exit_whose_handling_failed_is_handled_again(
     doc = {"state_dir": str(ws.state), "run_dir": str(ws.root / "run"), "metrics": {"port": 0},
            "gpu": {"backend": "off"}, "jobs": [{"name": "j", "command": ws.worker("--steps", "5")}]}
     sup = Supervisor(from_mapping(doc))
-    real = jobmod.detect_crash
+    real = jobmod.run_detectors
     calls = {"n": 0}
 
-    def flaky(*args: object, **kwargs: object) -> object:
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("a bug while judging the exit")
-        return real(*args, **kwargs)  # type: ignore[arg-type]
+    def flaky(on: str, *args: object) -> object:
+        if on == "exit":
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("a bug while judging the exit")
+        return real(on, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(jobmod, "detect_crash", flaky)
+    monkeypatch.setattr(jobmod, "run_detectors", flaky)
     done = threading.Event()
     timer = threading.Timer(30, lambda: done.is_set() or sup.request_stop())
     timer.start()

@@ -258,13 +258,13 @@ def test_a_second_trainwatch_for_the_same_job_and_state_dir_is_refused(ws: Works
 def test_the_lock_is_released_when_its_holder_is_killed(ws: Workspace) -> None:
     """A lock taken by a process that is then SIGKILLed is free again: the kernel
     drops a flock with its holder, so a crash never leaves a stale lock."""
-    code = ("import sys, time; from trainwatch import joblock; "
+    code = ("import sys, time; from trainwatch.state import joblock; "
             "joblock.acquire(sys.argv[1], 'job'); print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(ws.state)],
                               stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
-        from trainwatch import joblock
+        from trainwatch.state import joblock
 
         with pytest.raises(joblock.JobLocked, match=f"pid {holder.pid}"):
             joblock.acquire(ws.state, "job")
@@ -273,7 +273,7 @@ def test_the_lock_is_released_when_its_holder_is_killed(ws: Workspace) -> None:
         holder.wait()
         if holder.stdout:
             holder.stdout.close()
-    from trainwatch import joblock
+    from trainwatch.state import joblock
 
     with joblock.acquire(ws.state, "job") as lock:
         assert lock.held
@@ -300,9 +300,10 @@ def test_a_job_folder_with_the_jobs_group_is_readable_by_its_user_and_no_one_els
     written in it (0640) take that group, so the job's user reads them and another
     user does not; the lock stays 0600, so the job's user cannot hold it."""
     _need_root("act as other users")
-    from trainwatch import joblock, status
-    from trainwatch.catalog import Catalog
     from trainwatch.config import Checkpoints
+    from trainwatch.export import status
+    from trainwatch.state import joblock
+    from trainwatch.state.catalog import Catalog
 
     uid, gid = _user("twtest1")
     other_uid, other_gid = _user("twtest2")

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from conftest import Workspace, finish, local_user, missing, need_root, wait_for
-from trainwatch.tree import is_gone
+from trainwatch.actions.tree import is_gone
 
 USER, GROUP = "twtest1", "twtestg"
 
@@ -115,7 +115,7 @@ def test_sigkilled_trainwatch_run_takes_its_job_down(ws: Workspace) -> None:
 # `trainwatch run` where cgroups are not ours to write (as for a user without a
 # delegated subtree): cgroup.base() says so.
 _RUN_WITHOUT_CGROUP = (
-    "import sys, trainwatch.cgroup as c; c.base = lambda *a, **k: None; "
+    "import sys, trainwatch.actions.cgroup as c; c.base = lambda *a, **k: None; "
     "from trainwatch.cli import main; sys.exit(main(sys.argv[1:]))"
 )
 

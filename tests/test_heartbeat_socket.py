@@ -20,9 +20,9 @@ from typing import IO
 import pytest
 from conftest import need_root
 from trainwatch import client
-from trainwatch.ownership import UnsafeDir
+from trainwatch.actions.tree import JobTree
 from trainwatch.sources.heartbeat import MAX_DATAGRAM, HeartbeatSocket
-from trainwatch.tree import JobTree
+from trainwatch.state.ownership import UnsafeDir
 from trainwatch.types import Beat, CheckpointReport
 
 NOBODY = 65534

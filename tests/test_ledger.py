@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from trainwatch.ledger import LEDGER_NAME, Ledger, Relaunch
+from trainwatch.state.ledger import LEDGER_NAME, Ledger, Relaunch
 from trainwatch.types import Fault, FaultKind, JobState
 
 HANG = Fault(
@@ -180,7 +180,7 @@ def test_a_ledger_that_cannot_be_opened_lives_in_memory_and_counts_each_write(
     """When the file cannot be opened (here a folder stands where it should be, as a full
     or read-only state_dir would refuse it) the Ledger still opens, keeps incidents in
     memory for this process, and counts the open and every write as failed writes."""
-    from trainwatch import statewrites
+    from trainwatch.state import statewrites
 
     (tmp_path / LEDGER_NAME).mkdir()
     before = statewrites.counts()["ledger"]

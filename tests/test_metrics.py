@@ -207,7 +207,7 @@ def test_a_metrics_port_already_taken_is_one_line_and_exit_2(ws: Workspace) -> N
 
 def _server(**kw: Any) -> Any:
     from prometheus_client import CollectorRegistry, Counter
-    from trainwatch.metricsserver import MetricsServer
+    from trainwatch.export.metricsserver import MetricsServer
 
     reg = CollectorRegistry()
     Counter("tw_test_things", "Things.", registry=reg).inc(3)

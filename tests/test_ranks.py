@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainwatch.ranks import Ranks
+from trainwatch.sources.ranks import Ranks
 from trainwatch.types import Beat, RankView
 
 

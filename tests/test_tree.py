@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 from conftest import missing, wait_for
-from trainwatch import cgroup
-from trainwatch.attempt import Attempt, reap_watchers
+from trainwatch.actions import cgroup
+from trainwatch.actions.attempt import Attempt, reap_watchers
+from trainwatch.actions.tree import is_gone, proc_stat
 from trainwatch.config import Job
-from trainwatch.tree import is_gone, proc_stat
 
 NOBODY = 65534
 
@@ -137,11 +137,11 @@ _SUPERVISOR = textwrap.dedent(
     """
     import shlex, sys, time
     from pathlib import Path
-    import trainwatch.cgroup
+    import trainwatch.actions.cgroup
     mode, tmp = sys.argv[1], Path(sys.argv[2])
     if mode == "fallback":
-        trainwatch.cgroup.base = lambda *a, **k: None
-    from trainwatch.attempt import Attempt
+        trainwatch.actions.cgroup.base = lambda *a, **k: None
+    from trainwatch.actions.attempt import Attempt
     from trainwatch.config import Job
     py = sys.executable
     if mode == "cgroup":  # a descendant that left the session and whose parent is gone
@@ -215,11 +215,11 @@ _IN_NAMESPACE = textwrap.dedent(
     """
     import json, os, signal, subprocess, sys, time
     from pathlib import Path
-    import trainwatch.cgroup
+    import trainwatch.actions.cgroup
     mode, scenario, tmp = sys.argv[1:4]
     if mode == "fallback":
-        trainwatch.cgroup.base = lambda *a, **k: None
-    from trainwatch.attempt import Attempt
+        trainwatch.actions.cgroup.base = lambda *a, **k: None
+    from trainwatch.actions.attempt import Attempt
     from trainwatch.config import Job
 
     def wait(cond, what):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from trainwatch import xid as xidmod
+from trainwatch.detectors import xid as xidmod
+from trainwatch.detectors.xid import CATALOG, CLASS_ACTIONS, RECOVERY_ACTIONS, Immediate, classify
 from trainwatch.types import Action
-from trainwatch.xid import CATALOG, CLASS_ACTIONS, RECOVERY_ACTIONS, Immediate, classify
 
 I = Immediate  # noqa: E741 (short alias keeps the tables on one line each)
 ALERT, RESTART, EXCLUDE = Action.ALERT, Action.RESTART, Action.RESTART_EXCLUDE_GPU

@@ -12,16 +12,17 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, NoReturn
 
-from trainwatch import __version__, fields
+from trainwatch import __version__
 from trainwatch.config import (
     ConfigError,
     Job,
     check_command,
+    fields,
     from_mapping,
     load,
     socket_problem,
 )
-from trainwatch.ledger import Ledger
+from trainwatch.state.ledger import Ledger
 
 DEFAULT_CONFIG = "/etc/trainwatch/trainwatch.yaml"
 
@@ -82,7 +83,7 @@ class IsoFormatter(logging.Formatter):
 
 
 def _setup_logging(quiet: bool = False) -> None:
-    from trainwatch.passthrough import LogHandler
+    from trainwatch.actions.passthrough import LogHandler
 
     # Not a StreamHandler: a blocking write to a stalled stderr would stall the loop.
     handler = LogHandler(sys.stderr.fileno())

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainwatch import atomic, statewrites
 from trainwatch.config import ConfigError, Gpu
 from trainwatch.drill import Overlay
-from trainwatch.gpuhealth import GpuHealth
 from trainwatch.sources.gpusim import SimGpus
 from trainwatch.sources.kmsg import KernelLog, KernelLogError
+from trainwatch.state import atomic, statewrites
+from trainwatch.state.gpuhealth import GpuHealth
 from trainwatch.types import Fault, GpuSample, XidEvent
 
 log = logging.getLogger("trainwatch")

@@ -13,7 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from trainwatch.config import Policy
-from trainwatch.types import Action, Decision, Fault
+from trainwatch.detectors.xid import classify
+from trainwatch.types import Action, Decision, Fault, FaultKind
 
 _RELAUNCHING = frozenset({Action.RESTART, Action.ROLLBACK, Action.RESTART_EXCLUDE_GPU})
 
@@ -24,6 +25,19 @@ class RestartHistory:
 
     restarts: deque[float] = field(default_factory=deque)
     consecutive: int = 0  # restarts since the last stable attempt
+
+    def to_json(self, now: float, wall: float) -> dict[str, object]:
+        """Times as wall-clock seconds: they outlive the process that took them."""
+        return {"restarts": [wall - (now - t) for t in self.restarts],
+                "consecutive": self.consecutive}
+
+    @classmethod
+    def from_json(cls, d: dict[str, object], now: float, wall: float) -> RestartHistory:
+        ts = d.get("restarts")
+        n = d.get("consecutive")
+        times = [now - (wall - float(t)) for t in ts if isinstance(t, (int, float))] \
+            if isinstance(ts, list) else []
+        return cls(deque(sorted(times)), n if isinstance(n, int) else 0)
 
     def in_window(self, now: float, window: float) -> int:
         while self.restarts and self.restarts[0] <= now - window:
@@ -80,3 +94,29 @@ def decide(
         delay=delay,
         reason=f"restart {used + 1} of {policy.max_restarts} within {policy.window:g}s",
     )
+
+
+# (gpu, monotonic time) of the Xids a job has seen, for escalation.
+XidHistory = deque[tuple[int | None, float]]
+
+
+def choose(policy: Policy, fault: Fault, xids: XidHistory) -> Action:
+    """The action for a fault. An Xid's: per Xid, then per class, then one action
+    for every Xid, then the Xid catalog's; and the same GPU faulting again and
+    again within ``escalate.window`` is the GPU, not the job: its restart becomes
+    restart_exclude_gpu. Records the Xid in ``xids`` and its class in the evidence."""
+    if fault.kind is not FaultKind.GPU_XID:
+        return policy.action_for(fault.kind)
+    xid = int(fault.evidence["xid"])
+    info = classify(xid, str(fault.evidence.get("message", "")))
+    over = policy.xid_actions
+    action = (over.get(xid) or over.get(info.immediate.value)
+              or policy.actions.get(FaultKind.GPU_XID) or info.action)
+    fault.evidence["class"] = info.immediate.value
+    now, esc = fault.onset, policy.escalate
+    xids.append((fault.gpu, now))
+    repeats = sum(1 for g, t in xids if g == fault.gpu and now - t <= esc.window)
+    if action is Action.RESTART and fault.gpu is not None and repeats >= esc.after:
+        fault.evidence["escalated"] = f"{repeats} Xids on GPU {fault.gpu}"
+        return Action.RESTART_EXCLUDE_GPU
+    return action

@@ -19,14 +19,15 @@ from types import FrameType
 from typing import Any
 
 import psutil
-from trainwatch import credentials, joblock, ownership, tree
+from trainwatch.actions import credentials, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.control import ControlSocket
+from trainwatch.export.metrics import Exporter
 from trainwatch.gpuwatch import GpuWatch
 from trainwatch.job import JobRunner
-from trainwatch.ledger import Ledger
-from trainwatch.metrics import Exporter
 from trainwatch.sources.heartbeat import SocketInUse
+from trainwatch.state import joblock, ownership
+from trainwatch.state.ledger import Ledger
 from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")

@@ -27,7 +27,7 @@ from trainwatch.config import from_mapping
 from trainwatch.demo import trainer
 from trainwatch.gpuwatch import GpuWatch
 from trainwatch.job import JobRunner
-from trainwatch.ledger import Ledger
+from trainwatch.state.ledger import Ledger
 from trainwatch.supervisor import Supervisor
 from trainwatch.types import JobState
 

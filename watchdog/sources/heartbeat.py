@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from trainwatch.ownership import private_dir, set_mode
+from trainwatch.state.ownership import private_dir, set_mode
 from trainwatch.types import Beat, CheckpointReport
 
 MAX_DATAGRAM = 4096

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwatch.atomic import read_json, write_json
+from trainwatch.state.atomic import read_json, write_json
 from trainwatch.types import XidEvent
 
 log = logging.getLogger("trainwatch")

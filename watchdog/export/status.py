@@ -13,14 +13,18 @@ passed through to a job's folder but not listed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainwatch import atomic, statewrites
-from trainwatch.ownership import set_mode
+from trainwatch.state import atomic, statewrites
+from trainwatch.state.ownership import set_mode
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 
@@ -75,3 +79,25 @@ def publish(state_dir: str | os.PathLike[str], job: str, status: dict[str, Any])
 def read(state_dir: str | os.PathLike[str], job: str) -> dict[str, Any] | None:
     s = atomic.read_json(status_path(state_dir, job))
     return s if isinstance(s, dict) else None
+
+
+def of(r: JobRunner) -> dict[str, Any]:
+    """What ``trainwatch status`` and faultinject read of a job."""
+    a = r.attempt
+    return {
+        "job": r.job.name,
+        "state": r.state.value if r.state else None,
+        "attempt": r.number,
+        "pid": a.pid if a else None,
+        "pgid": a.pid if a else None,
+        "ranks": {str(r): p for r, p in r.ranks.pids().items()},
+        "step": r.last_step,
+        "socket": r.socket_path,
+        "run_dir": r.config.run_dir,  # where faultinject finds the control socket
+        "cgroup": a.tree.cgroup.path if a and a.tree.cgroup else None,
+        "log": str(a.log_path) if a else None,
+        "resumed_from": a.resume_from if a else None,
+        "observe_only": r.config.observe_only,
+        "datagrams": dataclasses.asdict(r.socket.counters),
+        "ranks_over_cap": r.ranks_over_cap,
+    }

@@ -1,5 +1,5 @@
-"""The config file: read within limits, validated (trainwatch.configread) into the
-schema's frozen objects (trainwatch.schema), relative paths resolved.
+"""The config file: read within limits, validated (trainwatch.config.read) into the
+schema's frozen objects (trainwatch.config.schema), relative paths resolved.
 
 The rest of trainwatch imports the config's names from here.
 """
@@ -10,8 +10,9 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from trainwatch import yamldoc
-from trainwatch.configread import (
+from trainwatch.config import yamldoc
+from trainwatch.config.fields import MAX_DURATION, Said, parse_duration, show
+from trainwatch.config.read import (
     MAX_ARG_BYTES,
     MAX_EXEC_BYTES,
     MAX_SIM_GPUS,
@@ -19,8 +20,7 @@ from trainwatch.configread import (
     check_command,
     from_mapping,
 )
-from trainwatch.fields import MAX_DURATION, Said, parse_duration, show
-from trainwatch.schema import (
+from trainwatch.config.schema import (
     DEFAULT_ACTIONS,
     DEFAULT_MAX_RANKS,
     MAX_SOCKET_PATH,

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwatch import atomic, statewrites
-from trainwatch.atomic import FILE_MODE
-from trainwatch.ownership import set_mode
+from trainwatch.state import atomic, statewrites
+from trainwatch.state.atomic import FILE_MODE
+from trainwatch.state.ownership import set_mode
 from trainwatch.types import Fault, JobState
 
 _SCHEMA = """

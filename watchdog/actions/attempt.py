@@ -25,12 +25,13 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainwatch import credentials, passthrough, statewrites
-from trainwatch.cgroup import AttemptCgroup
+from trainwatch.actions import credentials, passthrough
+from trainwatch.actions.cgroup import AttemptCgroup
+from trainwatch.actions.credentials import Identity
+from trainwatch.actions.tree import JobTree
 from trainwatch.config import Job
-from trainwatch.credentials import Identity
-from trainwatch.ownership import set_mode
-from trainwatch.tree import JobTree
+from trainwatch.state import statewrites
+from trainwatch.state.ownership import set_mode
 
 _CHUNK = 65536
 log = logging.getLogger("trainwatch")

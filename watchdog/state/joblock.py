@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from trainwatch.config import ConfigError
-from trainwatch.status import job_dir, make_job_dir
+from trainwatch.export.status import job_dir, make_job_dir
 
 log = logging.getLogger("trainwatch")
 

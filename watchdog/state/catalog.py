@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trainwatch import atomic, statewrites
 from trainwatch.config import Checkpoints
+from trainwatch.state import atomic, statewrites
 
 log = logging.getLogger("trainwatch")
 

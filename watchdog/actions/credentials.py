@@ -23,7 +23,7 @@ import pwd
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from trainwatch.fields import numeric_id
+from trainwatch.config.fields import numeric_id
 
 _PR_SET_PDEATHSIG = 1
 _SIGKILL = 9

@@ -31,10 +31,11 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from trainwatch import __version__, statewrites
+from trainwatch import __version__
 from trainwatch.detectors.gpu import CLOCK_EVENT_REASONS
-from trainwatch.gpuhealth import GpuState
-from trainwatch.metricsserver import MetricsServer
+from trainwatch.export.metricsserver import MetricsServer
+from trainwatch.state import statewrites
+from trainwatch.state.gpuhealth import GpuState
 from trainwatch.types import DETECTED_KINDS, GpuSample, JobState
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from trainwatch.fields import show
+from trainwatch.config.fields import show
 from trainwatch.types import Action, FaultKind
 
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
@@ -32,7 +32,7 @@ class Backoff:
 DEFAULT_ACTIONS: Mapping[FaultKind, Action] = {
     FaultKind.CRASH: Action.RESTART,
     FaultKind.HANG: Action.RESTART,
-    # gpu_xid has no entry: each Xid's action comes from its class (trainwatch.xid).
+    # gpu_xid has no entry: each Xid's action comes from its class (trainwatch.detectors.xid).
     FaultKind.GPU_LOST: Action.RESTART_EXCLUDE_GPU,
     FaultKind.GPU_ECC: Action.ALERT,  # a fatal ECC error also raises an Xid (48, 94, 95)
     FaultKind.GPU_THERMAL: Action.ALERT,

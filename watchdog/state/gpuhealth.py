@@ -19,8 +19,8 @@ from trainwatch.detectors.gpu import (
     detect_xid,
     is_duplicate,
 )
+from trainwatch.detectors.xid import classify
 from trainwatch.types import Fault, GpuSample, XidEvent
-from trainwatch.xid import classify
 
 
 class GpuState(str, enum.Enum):

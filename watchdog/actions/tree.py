@@ -29,7 +29,7 @@ import signal as _signal
 from collections.abc import Iterable
 
 import psutil
-from trainwatch.cgroup import AttemptCgroup, read_small
+from trainwatch.actions.cgroup import AttemptCgroup, read_small
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -258,3 +258,16 @@ class JobTree:
         self.known.clear()
         self._believed.clear()
         return self.cgroup.close() if self.cgroup is not None else True
+
+
+def stopped_ranks(pids: dict[int, int]) -> frozenset[int]:
+    """Ranks (of rank -> pid) whose process is stopped (T) or in uninterruptible sleep (D)."""
+    out = set()
+    for rank, pid in pids.items():
+        try:
+            st = psutil.Process(pid).status()
+        except psutil.Error:
+            continue
+        if st in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_DISK_SLEEP):
+            out.add(rank)
+    return frozenset(out)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainwatch import fields
-from trainwatch.fields import Refused, Said, show
-from trainwatch.schema import (
+from trainwatch.config import fields
+from trainwatch.config.fields import Refused, Said, show
+from trainwatch.config.schema import (
     DEFAULT_ACTIONS,
     Backoff,
     Checkpoints,
@@ -29,8 +29,8 @@ from trainwatch.schema import (
     check_socket_paths,
     default_dirs,
 )
+from trainwatch.detectors.xid import Immediate
 from trainwatch.types import DETECTED_KINDS, IMPLEMENTED_ACTIONS, Action, FaultKind
-from trainwatch.xid import Immediate
 
 MAX_SIM_GPUS = 1024
 MAX_ARG_BYTES = 32 * 4096  # MAX_ARG_STRLEN: the most exec takes in one string, NUL included

@@ -1,0 +1,100 @@
+"""Launching an attempt: the last good checkpoint, the GPUs that are healthy,
+the attempt's processes; and the accounting of the relaunch after a fault
+(time to relaunch, steps lost) in the ledger and the metrics."""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import statistics
+from typing import TYPE_CHECKING
+
+from trainwatch import respond
+from trainwatch.actions.attempt import Attempt
+from trainwatch.sources.ranks import Ranks
+from trainwatch.state.catalog import Entry
+from trainwatch.state.ledger import Relaunch
+from trainwatch.types import JobState
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
+
+log = logging.getLogger("trainwatch")
+
+
+def launch(r: JobRunner, reason: str) -> None:
+    """Start the next attempt from the last good checkpoint, on the healthy GPUs;
+    FATAL when it cannot start."""
+    cp: Entry | None = r.catalog.last_good()
+    gpus = r.gpus()
+    if gpus is None and any("{num_gpus}" in x for x in r.job.command):
+        why = ("the command uses {num_gpus}, but trainwatch sees no GPUs here (NVML is "
+               "absent or gpu.backend is off): write the number itself")
+        log.error("job %s: %s", r.job.name, why)
+        r.to(JobState.FATAL, why)
+        return
+    if gpus is not None and len(gpus) < r.job.gpus.min:
+        why = f"{len(gpus)} healthy GPUs, the job needs at least {r.job.gpus.min}"
+        respond.run_exec_hook(r, "insufficient_gpus", None)
+        r.to(JobState.FATAL, why)
+        return
+    r.number += 1
+    try:
+        a = Attempt(
+            r.job,
+            r.number,
+            r.socket_path,
+            cp.path if cp else None,
+            cp.step if cp else None,
+            r.dir / "logs",
+            r.passthrough,
+            gpus,
+            die_with_parent=r.die_with_parent,
+            umask=r.umask,
+        )
+    except (OSError, KeyError) as e:  # KeyError: no such user
+        why = f"no such user {r.job.user!r}"
+        if isinstance(e, OSError):
+            why = e.strerror or str(e)
+        where = getattr(e, "filename", None) or r.job.command[0]
+        what = f"{where}: cannot start: {why}"
+        log.error("job %s: %s", r.job.name, what)
+        r.to(JobState.FATAL, what)
+        return
+    if r.attempt is not None:
+        r.output_dropped_before += r.attempt.dropped
+    r.attempt = a
+    r.outages.started(a.started)
+    intervals = r.ranks.intervals  # the faulted attempt's seconds per step
+    step_s = statistics.median(intervals) if intervals else 0.0
+    r.over_cap_before += r.ranks.over_cap  # counters that outlive an attempt
+    r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
+    r.socket.forget_senders()  # the last attempt's processes are no longer ours
+    r.hang_latched = False
+    r.drill = None  # a notice for the attempt before is not this one's
+    reached, r.last_step = r.last_step, cp.step if cp else None
+    if a.pidfd is not None:
+        r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
+    for fd in a.pipes:
+        r.sel.register(fd, selectors.EVENT_READ, r.on_output)
+    where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
+    if gpus is not None:
+        where += f", GPUs {','.join(map(str, gpus))}"
+    r.to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
+    if r.pending_incident is not None:
+        # The faulted attempt reached `reached`; this one starts over at cp. A job
+        # that has never beaten has told nothing of its steps: unknown, not 0.
+        lost = None if reached is None or not r.ever_beaten \
+            else max(0, reached - (cp.step if cp else 0))
+        o = r.outages.outage
+        if o is not None:
+            name = r.job.name
+            r.events.restarts.labels(name, o.kind).inc()
+            r.events.relaunch.labels(name).observe(max(0.0, a.started - o.detected))
+            r.events.steps_lost.labels(name).inc(lost or 0)
+            r.outages.relaunched(lost or 0, step_s)
+        r.ledger.relaunched(
+            r.pending_incident,
+            Relaunch(a.started_wall, a.resume_from, a.resumed_step, lost),
+        )
+        r.pending_incident = None

@@ -1,0 +1,1 @@
+"""What trainwatch shows: Prometheus metrics and the published status files."""

@@ -1,0 +1,120 @@
+"""A fault becomes an action: the policy chooses it (policy.py), and this
+carries it out: record the incident, count it, exclude a GPU, run the exec
+hook, and stop the job for a relaunch, for good, or not at all."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from trainwatch.actions import hook
+from trainwatch.policy import choose, decide
+from trainwatch.types import Action, Fault, FaultKind, JobState
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
+
+log = logging.getLogger("trainwatch")
+
+
+def on_gpu_fault(r: JobRunner, fault: Fault) -> None:
+    """A fault of one of this job's GPUs (routed here by the supervisor)."""
+    fault = dataclasses.replace(fault, job=r.job.name, onset_step=r.last_step,
+                                evidence=dict(fault.evidence))
+    action = choose(r.policy, fault, r.xids_seen)
+    pid = fault.evidence.get("pid")
+    a = r.attempt
+    # An application-level Xid names the process it hit: one of an earlier attempt
+    # (e.g. Xid 45 as we killed it) or of another program is not this attempt's fault.
+    foreign = (action is Action.RESTART and isinstance(pid, int) and pid > 0
+               and a is not None and not a.tree.owns(pid, uid=-1))
+    if r.state in (JobState.STARTING, JobState.RUNNING) and not foreign:
+        handle(r, fault, action)
+        return
+    # Nothing of ours runs on it now: record it, and keep the GPU out of the next launch.
+    reason = f"job {r.state.value if r.state else '-'}: recorded only"
+    if foreign:
+        reason = f"pid {pid} is not this attempt's: recorded only"
+    if (action is Action.RESTART_EXCLUDE_GPU and fault.gpu is not None
+            and not r.config.observe_only):
+        exclude(r, fault)
+        reason += f"; GPU {fault.gpu} excluded"
+    r.events.faults.labels(r.job.name, fault.kind.value).inc()
+    latency = max(0.0, r.clock() - fault.onset) if fault.onset_known else None
+    r.ledger.incident(fault, action.value, reason, max(r.number, 0), latency,
+                         observe_only=r.config.observe_only,
+                         injected=fault.evidence.get("source") == "drill")
+    log.warning("job %s: %s on GPU %s -> %s", r.job.name, fault.kind.value, fault.gpu,
+                reason)
+
+
+def exclude(r: JobRunner, fault: Fault) -> None:
+    if r.gpuwatch is not None and fault.gpu is not None:
+        r.gpuwatch.exclude(fault.gpu, f"{fault.kind.value} {fault.evidence.get('xid', '')}"
+                              f" (job {r.job.name})".replace("  ", " "))
+
+
+def run_exec_hook(r: JobRunner, kind: str, gpu: int | None) -> None:
+    hook.run(r.policy.exec, r.job.name, kind, gpu, r.umask)
+
+
+def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
+    a = r.attempt
+    assert a is not None
+    now = r.clock()
+    exited = a.returncode is not None
+    resumed = a.resumed_step
+    # Dying (or hanging) before the first beat after loading a checkpoint
+    # counts against that checkpoint.
+    failed_start = not r.ranks.beaten and resumed is not None and r.ever_beaten
+    if failed_start and resumed is not None and r.catalog.start_failed(resumed):
+        log.warning("job %s: checkpoint step %d marked bad: %s", r.job.name, resumed,
+                    r.catalog.bad[resumed])
+    if action is None:
+        action = r.policy.action_for(fault.kind)
+    if r.config.observe_only:
+        reason, delay, fatal = f"observe_only: would {action.value}", None, False
+    else:
+        d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, action)
+        reason, delay, fatal = d.reason, d.delay, d.fatal
+    r.events.faults.labels(r.job.name, fault.kind.value).inc()
+    latency = max(0.0, now - fault.onset) if fault.onset_known else None
+    if latency is not None:
+        r.events.detection.labels(r.job.name).observe(latency)
+    incident = r.ledger.incident(
+        fault, action.value, reason, a.number, latency,
+        observe_only=r.config.observe_only, backoff=delay,
+        injected=fault.evidence.get("source") == "drill",
+    )
+    ev = ", ".join(f"{k}={v}" for k, v in fault.evidence.items())
+    log.warning("job %s: %s (%s) -> %s: %s", r.job.name, fault.kind.value, ev,
+                action.value, reason)
+
+    if not r.config.observe_only and (action is not Action.ALERT or exited):
+        # The job stops working from the fault's onset (the first fault's, if the
+        # relaunch after it faulted too) until a relaunch beats again.
+        r.outages.fault(fault.kind.value, fault.onset, now)
+    if r.config.observe_only or action is Action.ALERT:
+        if exited:
+            r.begin_stop(JobState.FATAL, f"{fault.kind.value}: not relaunched ({reason})")
+        elif fault.kind is FaultKind.HANG:
+            r.hang_latched = True  # reported; again only after a new beat
+        return
+    if action is Action.RESTART_EXCLUDE_GPU:
+        exclude(r, fault)
+        left = r.gpus()
+        if left is not None and len(left) < r.job.gpus.min:
+            run_exec_hook(r, fault.kind.value, fault.gpu)
+            r.begin_stop(JobState.FATAL, f"{fault.kind.value}: only {len(left)} healthy "
+                             f"GPUs left, the job needs {r.job.gpus.min}")
+            return
+    if action is Action.EXEC:
+        run_exec_hook(r, fault.kind.value, fault.gpu)
+        r.begin_stop(JobState.FATAL, f"{fault.kind.value}: handed to the exec hook")
+        return
+    if action is Action.STOP or fatal:
+        r.begin_stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
+        return
+    r.pending_incident = incident
+    r.begin_stop(JobState.BACKOFF, f"{fault.kind.value}: {reason}", delay or 0.0)
