@@ -8,6 +8,12 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test lint typecheck tools unit bench clean
 
 $(STAMP): pyproject.toml
+	@pkg-config --exists libsystemd 2>/dev/null && command -v gcc >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get update -q && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
+	    gcc python3-dev libsystemd-dev pkg-config \
+	  || echo "could not install systemd-python's build dependencies"; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
@@ -44,3 +50,56 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+
+# `make install [PREFIX=/usr/local] [DESTDIR=/tmp/pkgroot]`, as root for a real install:
+# a private venv at $(PREFIX)/lib/trainwatch (pip install '.[systemd]', not editable),
+# $(PREFIX)/bin/trainwatch and faultinject linked into it, the systemd unit, sysusers
+# and tmpfiles snippets, and /etc/trainwatch/trainwatch.yaml unless one exists.
+# systemd looks for vendor files under /usr/lib; /usr/local/lib/systemd/system is not
+# searched on every distribution, so any other PREFIX installs them under /etc.
+PREFIX ?= /usr/local
+TW_LIB := $(PREFIX)/lib/trainwatch
+ifeq ($(PREFIX),/usr)
+TW_SYSTEMD := /usr/lib
+else
+TW_SYSTEMD := /etc
+endif
+
+.PHONY: install install-venv install-files
+install: install-venv install-files
+	@if [ -z '$(DESTDIR)' ] && [ -d /run/systemd/system ]; then \
+	  systemd-sysusers trainwatch.conf && systemd-tmpfiles --create trainwatch.conf && \
+	  systemctl daemon-reload && \
+	  echo "next: add jobs to /etc/trainwatch/trainwatch.yaml, then systemctl enable --now trainwatch"; \
+	fi
+
+# With DESTDIR the venv is built in place and then relocated: every DESTDIR path that
+# venv and pip wrote (script shebangs, activate, pyvenv.cfg, .pyc source names) is
+# rewritten to the final one. The interpreter it links to must exist on the target.
+install-venv:
+	@set -eu; root='$(DESTDIR)'; venv="$$root$(TW_LIB)"; \
+	echo "installing trainwatch's venv at $$venv"; \
+	$(PYTHON) -m venv "$$venv"; \
+	rm -rf build/lib build/bdist.*; : "setuptools reuses these; a module moved away would linger"; \
+	pip="$$venv/bin/python -m pip install -q --disable-pip-version-check --upgrade"; \
+	if [ -n "$$root" ]; then pip="$$pip --no-compile"; fi; \
+	$$pip '.[systemd]' || { \
+	  echo "warning: systemd-python did not install (it builds with gcc, python3-dev," \
+	       "libsystemd-dev, pkg-config): no sd_notify, so Type=notify cannot start" >&2; \
+	  $$pip . ; }; \
+	if [ -n "$$root" ]; then \
+	  grep -rlIF "$$venv" "$$venv/bin" "$$venv/pyvenv.cfg" | xargs -r sed -i "s|$$venv|$(TW_LIB)|g"; \
+	  "$$venv/bin/python" -m compileall -q -f -s "$$root" -p / "$$venv/lib"; \
+	fi
+
+install-files:
+	@set -eu; root='$(DESTDIR)'; sd="$$root$(TW_SYSTEMD)"; \
+	install -d "$$root$(PREFIX)/bin" "$$sd/systemd/system"; \
+	for s in trainwatch faultinject; do ln -sfn "../lib/trainwatch/bin/$$s" "$$root$(PREFIX)/bin/$$s"; done; \
+	sed 's|@PREFIX@|$(PREFIX)|g' systemd/trainwatch.service > "$$sd/systemd/system/trainwatch.service"; \
+	chmod 0644 "$$sd/systemd/system/trainwatch.service"; \
+	install -D -m 0644 systemd/trainwatch.sysusers "$$sd/sysusers.d/trainwatch.conf"; \
+	install -D -m 0644 systemd/trainwatch.tmpfiles "$$sd/tmpfiles.d/trainwatch.conf"; \
+	if [ -e "$$root/etc/trainwatch/trainwatch.yaml" ]; then \
+	  echo "kept the existing $$root/etc/trainwatch/trainwatch.yaml"; \
+	else install -D -m 0644 config/default.yaml "$$root/etc/trainwatch/trainwatch.yaml"; fi

@@ -25,7 +25,7 @@ JOB = "jobs: [{name: train, command: [python, train.py]}]\n"
 NAME_RULE = "a name of letters, digits, '_', '.', '-' (at most 63)"
 COMMAND_RULE = "a non-empty list of strings (the command and its arguments)"
 DURATION_RULE = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"
-TOP_KEYS = "gpu, jobs, metrics, observe_only, policies, run_dir, state_dir"
+TOP_KEYS = "gpu, jobs, metrics, observe_only, policies, removed_jobs, run_dir, state_dir"
 DETECTED = ", ".join(sorted(k.value for k in DETECTED_KINDS))
 ALL_ACTIONS = "alert, restart, rollback, restart_exclude_gpu, exec, stop"
 LONG_RUN_DIR = "/" + "r" * 100  # 101 bytes; /jobs/train.sock makes it 117 > 107
@@ -55,18 +55,21 @@ BAD: list[object] = [
     ),
     pytest.param(
         "state_dir: /var/lib/trainwatch\n",
-        "<file>: jobs: expected a non-empty list of jobs, got nothing",
+        "<file>: jobs: expected a list of jobs (`jobs: []` for none yet), got nothing",
         id="missing-jobs",
     ),
     pytest.param(
-        "", "<file>: jobs: expected a non-empty list of jobs, got nothing", id="empty-file"
+        "", "<file>: jobs: expected a list of jobs (`jobs: []` for none yet), got nothing",
+        id="empty-file"
     ),
     pytest.param(
-        "jobs: []\n", "<file>: jobs: expected a non-empty list of jobs, got []", id="empty-jobs"
+        "jobs: {}\n", "<file>: jobs: expected a list of jobs (`jobs: []` for none yet), got {}",
+        id="jobs-empty-mapping"
     ),
     pytest.param(
         "jobs: {train: {command: [x]}}\n",
-        "<file>: jobs: expected a non-empty list of jobs, got {'train': {'command': ['x']}}",
+        "<file>: jobs: expected a list of jobs (`jobs: []` for none yet), "
+        "got {'train': {'command': ['x']}}",
         id="jobs-not-a-list",
     ),
     pytest.param(

@@ -19,7 +19,7 @@ import pytest
 from trainwatch import cli
 from trainwatch.config import ConfigError, Job, from_mapping, load, parse_duration
 from trainwatch.detectors.xid import Immediate
-from trainwatch.supervisor import _check_command
+from trainwatch.supervisor import check_command
 from trainwatch.types import DETECTED_KINDS, FaultKind
 
 JOB = "jobs: [{name: j, command: [python, train.py]}]\n"
@@ -658,6 +658,6 @@ def test_check_command_refuses_any_unresolvable_id_in_one_line(
     still gets a ConfigError from the pre-start check, never an OverflowError."""
     job = Job(name="j", command=("true",), user=user, group=group)
     with pytest.raises(ConfigError) as caught:
-        _check_command(job)
+        check_command(job)
     where = "user" if user is not None else "group"
     assert str(caught.value).startswith(f"jobs.j.{where}: no such {where}")

@@ -212,7 +212,8 @@ def test_startup_timeout_catches_a_job_that_never_beats(ws: Workspace) -> None:
 
 
 def test_job_output_goes_to_a_per_attempt_log_and_through(ws: Workspace) -> None:
-    """stdout and stderr land in state_dir/jobs/<job>/logs and, by default, on our own output."""
+    """stdout and stderr land together in state_dir/jobs/<job>/logs (the job writes the file
+    itself, no pipe to us) and, by default, are copied through to our stdout."""
     cfg = ws.config({"command": ["sh", "-c", "echo to-out; echo to-err >&2"]})
     p = subprocess.run(
         [sys.executable, "-m", "trainwatch.cli", "run", "--config", str(cfg)],
@@ -222,7 +223,7 @@ def test_job_output_goes_to_a_per_attempt_log_and_through(ws: Workspace) -> None
         check=False,
     )
     assert p.returncode == 0, p.stderr
-    assert "to-out" in p.stdout and "to-err" in p.stderr
+    assert "to-out" in p.stdout and "to-err" in p.stdout
     [log] = (ws.state / "jobs" / "job" / "logs").iterdir()
     assert set(log.read_text().split()) == {"to-out", "to-err"}
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
 from typing import Any, NoReturn
 
-from trainwatch import __version__
+from trainwatch import __version__, commands
 from trainwatch.config import (
     ConfigError,
     Job,
@@ -22,7 +20,6 @@ from trainwatch.config import (
     load,
     socket_problem,
 )
-from trainwatch.state.ledger import Ledger
 
 DEFAULT_CONFIG = "/etc/trainwatch/trainwatch.yaml"
 
@@ -170,11 +167,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from trainwatch.supervisor import Supervisor
+    from trainwatch.daemon import main as daemon_main
+    from trainwatch.service import journal_handler
 
-    config = load(args.config)
-    _setup_logging(False)
-    return Supervisor(config).run()
+    load(args.config)  # a bad config: one line, before anything starts
+    journal = journal_handler()
+    if journal is not None:  # under systemd: structured fields (TRAINWATCH_JOB=...)
+        logging.basicConfig(level=logging.INFO, handlers=[journal])
+    else:
+        _setup_logging(False)
+    return daemon_main(args.config)
 
 
 def cmd_clear_gpu(args: argparse.Namespace) -> int:
@@ -198,58 +200,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fmt(x: Any, unit: str = "") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.3f}{unit}"
-    return f"{x}{unit}"
-
-
-def cmd_incidents(args: argparse.Namespace) -> int:
-    state_dir = args.state_dir
-    if state_dir is None:
-        state_dir = load(args.config).state_dir if args.config else _default_state_dir()
-    try:
-        ledger = Ledger(state_dir, readonly=True)
-    except FileNotFoundError:
-        raise ConfigError(f"{state_dir}: no ledger here (expected {state_dir}/ledger.db)") from None
-    rows = ledger.incidents(args.job)
-    ledger.close()
-    if args.json:
-        json.dump(rows, sys.stdout, indent=1)
-        print()
-        return 0
-    if not rows:
-        print("no incidents")
-        return 0
-    head = ("id", "time", "job", "kind", "rank", "action", "attempt", "detect", "relaunch",
-            "resumed", "lost")
-    table = [head]
-    for r in rows:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"]))
-        action = r["action"] + (" (observed)" if r["observe_only"] else "")
-        table.append((
-            str(r["id"]), when, r["job"], r["kind"], _fmt(r["rank"]), action, str(r["attempt"]),
-            _fmt(r["detection_latency_s"], "s"), _fmt(r["time_to_relaunch_s"], "s"),
-            _fmt(r["resumed_step"]), _fmt(r["steps_lost"]),
-        ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    for row in table:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return 0
-
-
 def _default_run_dir() -> str:
     from trainwatch.config import default_dirs
 
     return default_dirs()[1]
-
-
-def _default_state_dir() -> str:
-    from trainwatch.config import default_dirs
-
-    return default_dirs()[0]
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -312,12 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file")
     c.set_defaults(fn=cmd_check_config)
 
-    i = sub.add_parser("incidents", help="list recorded incidents")
-    i.add_argument("--state-dir")
-    i.add_argument("--config")
-    i.add_argument("--job")
-    i.add_argument("--json", action="store_true")
-    i.set_defaults(fn=cmd_incidents)
+    commands.add_parsers(sub)
     return p
 
 

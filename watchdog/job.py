@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from trainwatch import respond
+from trainwatch import adopt, respond
 from trainwatch.actions import credentials
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
@@ -115,6 +115,8 @@ class JobRunner:
         self.stopping: stopping.Stop | None = None
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
+        self.paused = False  # the operator: keep watching, stop acting
+        self.restarts = 0  # relaunches, every attempt after the first
         self.drill: DrillNotice | None = None
         self._exit_handled = -1  # the attempt whose leader's exit has been acted on
         self.reports_refused = 0  # checkpoint reports outside checkpoints.dir
@@ -149,9 +151,9 @@ class JobRunner:
             "job %s: %s -> %s: %s", self.job.name, old.value if old else "-", new.value, reason
         )
         self._save()
-        self._publish()
+        self.publish()
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         self.published_step, self.published_at = self.last_step, self.clock()
         status.publish(self.config.state_dir, self.job.name, status.of(self))
 
@@ -164,7 +166,8 @@ class JobRunner:
             job=self.job.name,
             state=self.state.value if self.state else None,
             attempt=self.number,
-            launched={"pid": a.pid, "cgroup": a.cgroup.path if a.cgroup else None}
+            launched={**dataclasses.asdict(a.rec), "log": str(a.log_path),
+                      "cgroup_path": a.cgroup.path if a.cgroup else None}
             if live and a is not None else None,
             resume_from=a.resume_from if a else None,
             resumed_step=a.resumed_step if a else None,
@@ -179,6 +182,8 @@ class JobRunner:
             last_step=self.last_step,
             ever_beaten=self.ever_beaten,
             xids=[(g, wall - (now - t)) for g, t in self.xids_seen],
+            paused=self.paused,
+            restart_count=self.restarts,
         ), wall)
 
     @property
@@ -200,6 +205,57 @@ class JobRunner:
 
     def start(self) -> None:
         launch(self, "start")
+
+    def adopt_or_start(self) -> None:
+        """The daemon's start: take back what a daemon before us left running (adopt.py)."""
+        adopt.adopt_or_start(self)
+
+    # --- the operator --------------------------------------------------------
+
+    @property
+    def observing(self) -> bool:
+        """Faults are recorded, not acted on: observe_only, or paused by the operator."""
+        return self.config.observe_only or self.paused
+
+    def pause(self, paused: bool) -> None:
+        if paused != self.paused:
+            self.paused = paused
+            log.warning("job %s: %s by the operator", self.job.name,
+                        "paused (watching, not acting)" if paused else "resumed")
+            self._save()
+            self.publish()
+
+    def operator_start(self) -> None:
+        """Start a job that ended (stopped, finished, given up), with a fresh budget."""
+        if self.state not in (JobState.EXITED, JobState.FATAL, JobState.PAUSED, None):
+            raise ValueError(f"job {self.job.name} is {self.state.value}: stop it first")
+        self.history = RestartHistory()
+        launch(self, "operator: trainwatch start")
+
+    def rollback(self, step: int) -> str:
+        """Relaunch from the good checkpoint of ``step``; newer ones are quarantined
+        (kept on disk, never used), so that no later relaunch goes past it."""
+        entry = next((e for e in self.catalog.entries() if e.step == step), None)
+        if entry is None or not entry.good:
+            have = [e.step for e in self.catalog.entries() if e.good]
+            raise ValueError(f"no good checkpoint at step {step} (good: {have or 'none'})")
+        self.catalog.quarantine_after(step, f"operator rollback to step {step}")
+        why = f"operator: rollback to step {step}"
+        if self.state in (JobState.STARTING, JobState.RUNNING):
+            self.begin_stop(JobState.BACKOFF, why)
+        elif self.state is JobState.BACKOFF:
+            self.relaunch_at = self.clock()
+        elif self.state is JobState.STOPPING and self.stopping is not None:
+            self.stopping.outcome, self.stopping.delay = JobState.BACKOFF, 0.0
+        else:
+            self.history = RestartHistory()
+            launch(self, why)
+        return entry.path
+
+    def reconfigure(self, config: Config, job: Job) -> None:
+        """A reload changed the job: the change applies from its next launch."""
+        self.config, self.job, self.policy = config, job, config.policy_for(job)
+        log.info("job %s: config changed; applies at its next launch", job.name)
 
     def gpus(self) -> list[int] | None:
         """The GPUs an attempt gets now; None when trainwatch does not see GPUs."""
@@ -268,13 +324,7 @@ class JobRunner:
         if self.state is JobState.STARTING:
             self.to(JobState.RUNNING, f"first heartbeat (rank {b.rank}, step {b.step})")
         elif new_pid:
-            self._publish()
-
-    def on_output(self, fd: int) -> None:
-        a = self.attempt
-        if a is not None and fd in a.pipes and not a.pump(fd):
-            self._unregister(fd)
-            a.pipes.pop(fd, None)  # EOF: the writers are gone
+            self.publish()
 
     def _unregister(self, fd: int) -> None:
         if fd in self.sel.get_map():
@@ -283,10 +333,10 @@ class JobRunner:
     def on_exit_ready(self, fd: int) -> None:
         # Handled first: should it raise, the pidfd stays registered (it stays
         # readable once the process has exited) and the exit is handled next round.
-        self._check_exit()
+        self.check_exit()
         self._unregister(fd)
 
-    def _check_exit(self) -> None:
+    def check_exit(self) -> None:
         a = self.attempt
         if a is None or self._exit_handled == a.number:
             return
@@ -309,18 +359,23 @@ class JobRunner:
             respond.handle(self, fault)
         self._exit_handled = a.number  # not before: a handling that raised is tried again
 
+    def refresh_checkpoints(self) -> None:
+        self.checkpoints = self.catalog.summary()
+        self.checkpoints_at = self.clock() + _CATALOG_EVERY
+
     def tick(self, now: float) -> None:
         self.poller.tick(now)
         self.catalog.flush()
         if now >= self.checkpoints_at:
-            self.checkpoints = self.catalog.summary()
-            self.checkpoints_at = now + _CATALOG_EVERY
+            self.refresh_checkpoints()
         a = self.attempt
+        if a is not None and not a.closed:
+            a.follow()
         live = self.state in (JobState.STARTING, JobState.RUNNING)
         if live and a is not None and a.pidfd is None and self._exit_handled != a.number:
-            self._check_exit()
+            self.check_exit()
         if self.last_step != self.published_step and now - self.published_at >= _PUBLISH_EVERY:
-            self._publish()
+            self.publish()
         if self.state in (JobState.STARTING, JobState.RUNNING) and a is not None:
             if (
                 self.state is JobState.STARTING
@@ -418,9 +473,8 @@ class JobRunner:
                                  self.job.name):
             return
         if a is not None:
-            for fd in [*a.pipes, a.pidfd]:
-                if fd is not None:
-                    self._unregister(fd)
+            if a.pidfd is not None:
+                self._unregister(a.pidfd)
             a.close()
         self.stopping = None
         if s.outcome is JobState.BACKOFF:
@@ -429,11 +483,14 @@ class JobRunner:
         else:
             self.to(s.outcome, s.reason)
 
-    def close(self) -> None:
-        """Release the socket; a tree still running here (the loop failed) is killed
+    def close(self, release: bool = False) -> None:
+        """Release the socket. The attempt: left running for the next daemon to adopt
+        (``release``), else a tree still running here (the loop failed) is killed
         outright rather than left behind without a supervisor."""
         a = self.attempt
-        if a is not None and not self.done and not self.config.observe_only:
+        if a is not None and release:
+            a.release()
+        elif a is not None and not self.done and not self.config.observe_only:
             a.tree.signal(signal.SIGKILL, a.tree.scan())
         self.poller.close()
         self.socket.close()

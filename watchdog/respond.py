@@ -37,13 +37,13 @@ def on_gpu_fault(r: JobRunner, fault: Fault) -> None:
     if foreign:
         reason = f"pid {pid} is not this attempt's: recorded only"
     if (action is Action.RESTART_EXCLUDE_GPU and fault.gpu is not None
-            and not r.config.observe_only):
+            and not r.observing):
         exclude(r, fault)
         reason += f"; GPU {fault.gpu} excluded"
     r.events.faults.labels(r.job.name, fault.kind.value).inc()
     latency = max(0.0, r.clock() - fault.onset) if fault.onset_known else None
     r.ledger.incident(fault, action.value, reason, max(r.number, 0), latency,
-                         observe_only=r.config.observe_only,
+                         observe_only=r.observing,
                          injected=fault.evidence.get("source") == "drill")
     log.warning("job %s: %s on GPU %s -> %s", r.job.name, fault.kind.value, fault.gpu,
                 reason)
@@ -73,8 +73,9 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
                     r.catalog.bad[resumed])
     if action is None:
         action = r.policy.action_for(fault.kind)
-    if r.config.observe_only:
-        reason, delay, fatal = f"observe_only: would {action.value}", None, False
+    if r.observing:
+        why = "observe_only" if r.config.observe_only else "paused"
+        reason, delay, fatal = f"{why}: would {action.value}", None, False
     else:
         d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, action)
         reason, delay, fatal = d.reason, d.delay, d.fatal
@@ -84,18 +85,18 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
         r.events.detection.labels(r.job.name).observe(latency)
     incident = r.ledger.incident(
         fault, action.value, reason, a.number, latency,
-        observe_only=r.config.observe_only, backoff=delay,
+        observe_only=r.observing, backoff=delay,
         injected=fault.evidence.get("source") == "drill",
     )
     ev = ", ".join(f"{k}={v}" for k, v in fault.evidence.items())
     log.warning("job %s: %s (%s) -> %s: %s", r.job.name, fault.kind.value, ev,
                 action.value, reason)
 
-    if not r.config.observe_only and (action is not Action.ALERT or exited):
+    if not r.observing and (action is not Action.ALERT or exited):
         # The job stops working from the fault's onset (the first fault's, if the
         # relaunch after it faulted too) until a relaunch beats again.
         r.outages.fault(fault.kind.value, fault.onset, now)
-    if r.config.observe_only or action is Action.ALERT:
+    if r.observing or action is Action.ALERT:
         if exited:
             r.begin_stop(JobState.FATAL, f"{fault.kind.value}: not relaunched ({reason})")
         elif fault.kind is FaultKind.HANG:

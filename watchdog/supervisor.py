@@ -19,6 +19,7 @@ from types import FrameType
 from typing import Any
 
 import psutil
+from trainwatch import operations
 from trainwatch.actions import credentials, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.control import ControlSocket
@@ -50,8 +51,9 @@ class Supervisor:
         self.config = config
         self.die_with_parent = die_with_parent
         self.clock = clock
+        self.started_wall = time.time()
         for j in jobs if jobs is not None else config.jobs:
-            _check_command(j)
+            self.check_job(j)
         # Root's folders must let each job's user reach its own socket and logs (the
         # files inside are theirs alone); anyone else's are private to them.
         mode = 0o755 if os.geteuid() == 0 else 0o700
@@ -94,13 +96,10 @@ class Supervisor:
         self.lock = threading.Lock()
         self.exporter = Exporter(self)
         self.runners: list[JobRunner] = []
+        self.passthrough = passthrough
         try:
             for j in jobs if jobs is not None else config.jobs:
-                self.runners.append(JobRunner(config, j, self.ledger, self.sel, passthrough,
-                                              clock, gpus=self.gpus,
-                                              events=self.exporter.events,
-                                              die_with_parent=self.die_with_parent,
-                                              umask=self.job_umask))
+                self.runners.append(self._runner(config, j))
         except (SocketInUse, ownership.UnsafeDir) as e:
             for r in self.runners:
                 r.close()
@@ -134,6 +133,81 @@ class Supervisor:
         self._failed_now = False  # an error this round: do not spin on it
         self._next_reap = 0.0
         self._stop_sent = False
+        self._removing: list[JobRunner] = []  # removed by a reload, being stopped
+
+    def check_job(self, j: Job) -> None:
+        check_command(j)
+
+    def _runner(self, config: Config, j: Job) -> JobRunner:
+        return JobRunner(config, j, self.ledger, self.sel, self.passthrough, self.clock,
+                         gpus=self.gpus, events=self.exporter.events,
+                         die_with_parent=self.die_with_parent, umask=self.job_umask)
+
+    def add_runner(self, config: Config, j: Job) -> JobRunner:
+        """A job added by a reload: its lock and socket, then its runner."""
+        ident = credentials.resolve(j.user, j.group)
+        gid = ident.gid if ident is not None and os.geteuid() == 0 else -1
+        lock = joblock.acquire(config.state_dir, j.name, gid)
+        try:
+            r = self._runner(config, j)
+        except (SocketInUse, ownership.UnsafeDir) as e:
+            lock.release()
+            raise ConfigError(f"job {j.name}: {e}") from None
+        self.locks.append(lock)
+        self.runners.append(r)
+        return r
+
+    def remove_runner(self, r: JobRunner, stop: bool) -> None:
+        """A job removed by a reload: stopped (and waited for), or released to run on
+        unwatched (a later config that brings it back adopts it)."""
+        if stop and not r.done:
+            r.stop("reload: the job was removed from the config")
+            self._removing.append(r)
+            return
+        self._drop(r, release=True)
+
+    def _drop(self, r: JobRunner, release: bool) -> None:
+        r.close(release=release)
+        self.runners.remove(r)
+        for lk in self.locks:
+            if lk.path.parent.name == r.job.name:
+                lk.release()
+                self.locks.remove(lk)
+                break
+
+    def reload(self) -> dict[str, Any]:
+        raise ValueError("only the daemon reloads its config (trainwatch daemon)")
+
+    # --- the loop's edges (trainwatch run; the daemon overrides them) -----------
+
+    def _signals(self) -> tuple[int, ...]:
+        # SIGHUP too: a closed terminal must not leave the job running unsupervised.
+        return (signal.SIGINT.value, signal.SIGTERM.value, signal.SIGHUP.value)
+
+    def begin(self) -> None:
+        for r in self.runners:
+            self._guarded(r.start)
+
+    def keep_running(self) -> bool:
+        if self.stop_signal is not None and not self._stop_sent:
+            self._stop_sent = True
+            name = signal.Signals(self.stop_signal).name
+            for r in self.runners:
+                self._guarded(r.stop, f"operator: {name}")
+        return not all(r.done for r in self.runners)
+
+    def each_round(self, now: float) -> None:
+        pass
+
+    def finish(self) -> int:
+        if self.stop_signal is not None and not all(r.state is JobState.EXITED
+                                                    for r in self.runners):
+            return 128 + self.stop_signal
+        return max((r.exit_code for r in self.runners), default=0)
+
+    def release_jobs(self) -> bool:
+        """At close: leave the jobs running (the daemon) or kill what is left (run)."""
+        return False
 
     def _on_wake(self, fd: int) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -150,7 +224,10 @@ class Supervisor:
         self.wake()
 
     def _on_control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """A drill from faultinject, handled exactly like the real fault."""
+        """An operator's command (operations.py), or a drill from faultinject,
+        handled exactly like the real fault."""
+        if op in operations.OPS:
+            return operations.answer(self, op, args)
         if op == "drill":  # a crash or hang faultinject is about to inject
             return self._on_drill(args)
         if self.gpus is None:
@@ -188,13 +265,10 @@ class Supervisor:
                 return {"job": job, "kind": kind}
         raise ValueError(f"no job named {job!r} here")
 
-    def _reap_strays(self) -> None:
+    def reap_strays(self) -> None:
         """As a subreaper we inherit orphans that left the job's session; reap
-        those that have exited, except a leader whose status its attempt collects."""
-        # A leader stays a zombie until its tree is gone (so its pid, group and
-        # session id are not reused meanwhile): its attempt reaps it.
-        leaders = {r.attempt.pid for r in self.runners
-                   if r.attempt is not None and r.attempt.holds_pid}
+        those that have exited. (A keeper's exit status is not the job's: the
+        job's is in the keeper's exit file, so reaping a keeper here is harmless.)"""
         try:
             children = psutil.Process().children()
         except psutil.Error:
@@ -204,7 +278,7 @@ class Supervisor:
                 zombie = child.status() == psutil.STATUS_ZOMBIE
             except psutil.Error:
                 continue
-            if zombie and child.pid not in leaders:
+            if zombie:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(child.pid, os.WNOHANG)
 
@@ -254,22 +328,15 @@ class Supervisor:
             log.warning("could not become a child subreaper: escaped orphans go to init")
         old: dict[int, object] = {}
         if install_signals:
-            # SIGHUP too: a closed terminal must not leave the job running unsupervised.
-            for sig in (signal.SIGINT.value, signal.SIGTERM.value, signal.SIGHUP.value):
+            for sig in self._signals():
                 old[sig] = signal.signal(sig, self._handler)
         self.lock.acquire()
         try:
             if self.gpus is not None:
                 self.gpus.start()
                 self._route_gpu_faults()
-            for r in self.runners:
-                self._guarded(r.start)
-            while not all(r.done for r in self.runners):
-                if self.stop_signal is not None and not self._stop_sent:
-                    self._stop_sent = True
-                    name = signal.Signals(self.stop_signal).name
-                    for r in self.runners:
-                        self._guarded(r.stop, f"operator: {name}")
+            self.begin()
+            while self.keep_running():
                 now = self.clock()
                 wake = min([now + _MAX_SLEEP, *(self._next_wake(r, now) for r in self.runners)])
                 sleep = max(0.0, wake - now)
@@ -288,16 +355,17 @@ class Supervisor:
                     self._guarded(r.tick, now)
                 if now >= self._next_reap:
                     self._next_reap = now + _REAP_EVERY
-                    self._guarded(self._reap_strays)
+                    self._guarded(self.reap_strays)
+                for r in [r for r in self._removing if r.done]:
+                    self._removing.remove(r)
+                    self._guarded(self._drop, r, False)
+                self._guarded(self.each_round, now)
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)  # type: ignore[arg-type]
             self.close()
             self.lock.release()
-        if self.stop_signal is not None and not all(r.state is JobState.EXITED
-                                                    for r in self.runners):
-            return 128 + self.stop_signal
-        return max(r.exit_code for r in self.runners)
+        return self.finish()
 
     def close(self) -> None:
         self.exporter.close()
@@ -307,7 +375,7 @@ class Supervisor:
         if self.gpus is not None:
             self.gpus.close()
         for r in self.runners:
-            r.close()
+            r.close(release=self.release_jobs())
         self.sel.unregister(self._wake_r)
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -317,7 +385,7 @@ class Supervisor:
         os.umask(self.job_umask)
 
 
-def _check_command(job: Job) -> None:
+def check_command(job: Job) -> None:
     """A missing program, workdir or user is the user's mistake: say so before
     anything starts (in the daemon, before any other job is launched)."""
     if job.workdir is not None and not os.path.isdir(job.workdir):

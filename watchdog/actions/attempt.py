@@ -1,39 +1,37 @@
-"""One launch of a job: its argv and environment, its process, its output.
+"""One launch of a job: its argv and environment, its processes, its log.
 
-The job gets its own session (so its process group id is its pid), its own
-cgroup where we may create one (tree.py, cgroup.py), the credentials of its
-user and group (credentials.py), the environment of DESIGN.md, and pipes for
-stdout and stderr that the supervisor copies into a per-attempt log file in
-``state_dir`` (and through to our own stdout and stderr in ``trainwatch run``,
-passthrough.py). Neither a log that cannot be written nor a reader that
-stopped reading ever stops the launch or the loop: the output is dropped and
-counted.
-
-The leader is not reaped when it exits: its exit status is read with
-``WNOWAIT`` and the zombie keeps its pid (and so the process group and
-session id) reserved until close(), after the rest of the tree is gone.
+The job is started by its keeper (keeper.py, kept.py), a small parent of its
+own, in a session of its own, in its own cgroup where we may create one
+(tree.py, cgroup.py), with the credentials of its user and group
+(credentials.py) and the environment of DESIGN.md. Its stdout and stderr go
+straight to a per-attempt log file in ``state_dir``, never through a pipe to
+trainwatch: the job outlives trainwatch, and its output keeps flowing while
+trainwatch is down. ``trainwatch run`` follows the file to its own stdout
+(logfollow.py, passthrough.py). The keeper records the leader's exit status
+in a file; a restarted trainwatch adopts the attempt from what it recorded
+(``Attempt.adopt``) and still learns how it ended.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import subprocess
+import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from trainwatch.actions import credentials, passthrough
+from trainwatch.actions import credentials, kept, passthrough
 from trainwatch.actions.cgroup import AttemptCgroup
 from trainwatch.actions.credentials import Identity
+from trainwatch.actions.logfollow import LogFollower
 from trainwatch.actions.tree import JobTree
 from trainwatch.config import Job
+from trainwatch.service import SERVICE_ENV
 from trainwatch.state import statewrites
 from trainwatch.state.ownership import set_mode
 
-_CHUNK = 65536
 log = logging.getLogger("trainwatch")
 # The watcher that takes the attempt down if `trainwatch run` is SIGKILLed
 # (see _watch): it reads its stdin, a pipe only we hold; a line from us stands
@@ -86,7 +84,7 @@ def job_env(
     job: Job, socket: str, attempt: int, resume_from: str | None, base: Mapping[str, str],
     gpus: list[int] | None = None, ident: Identity | None = None,
 ) -> dict[str, str]:
-    env = dict(base)
+    env = {k: v for k, v in base.items() if k not in SERVICE_ENV}  # systemd's, not the job's
     credentials.env_for(ident, env, job.env)
     env.update(job.env)
     env["TRAINWATCH_SOCKET"] = socket
@@ -118,7 +116,7 @@ def job_argv(job: Job, resume_from: str | None, gpus: list[int] | None = None) -
 
 
 class Attempt:
-    """A running (or finished) attempt. Owns the Popen, the pidfd, the cgroup and the log."""
+    """A running (or finished) attempt: its keeper's record, the tree, the cgroup, the log."""
 
     def __init__(
         self,
@@ -133,74 +131,96 @@ class Attempt:
         die_with_parent: bool = False,
         umask: int = -1,
     ) -> None:
-        self.job = job
-        self.number = number
-        self.resume_from = resume_from
-        self.resumed_step = resumed_step
-        self.passthrough = passthrough
-        self.dropped = 0  # bytes of output lost (log not written, or passthrough full)
-        self.log_errors = 0  # failed opens, writes and closes of the log
-        self._warned: set[str] = set()
-        self.gpus = gpus
-        self.closed = False
+        self._common(job, number, resume_from, resumed_step, gpus)
         ident = credentials.resolve(job.user, job.group)
         self.log_path = log_dir / f"attempt-{number}-{int(time.time())}.log"
-        self.log_fd = self._open_log(log_dir, ident)
-        argv = job_argv(job, resume_from, gpus)
-        env = job_env(job, socket, number, resume_from, os.environ, gpus, ident)
+        log_fd = self._open_log(log_dir, ident)
         cgroup = AttemptCgroup.create(job.name, number)
+        if umask < 0:  # ours; os.umask() reads it only by setting it
+            umask = os.umask(0o077)
+            os.umask(umask)
+        env = job_env(job, socket, number, resume_from, os.environ, gpus, ident)
+        drop = ident is not None and os.geteuid() == 0  # as credentials.child_setup decides
+        spec = {
+            "argv": job_argv(job, resume_from, gpus), "env": env, "cwd": job.workdir,
+            "uid": ident.uid if drop and ident else None,
+            "gid": ident.gid if drop and ident else None,
+            "groups": list(ident.groups) if drop and ident else None,
+            "umask": umask,
+            "cgroup_procs": os.path.join(cgroup.path, "cgroup.procs") if cgroup else None,
+            "pdeathsig": die_with_parent, "exit": str(log_dir.parent / f"attempt-{number}.exit"),
+            "job": job.name, "attempt": number,
+        }
         try:
-            self.proc = self._spawn(argv, env, cgroup, ident, die_with_parent, umask)
+            self.rec, self.pidfd = kept.launch(spec, log_fd)
         except BaseException:
             if cgroup is not None:
                 cgroup.close()
-            if self.log_fd is not None:
-                os.close(self.log_fd)
             raise
-        if cgroup is not None and cgroup.procs_fd is None:
-            cgroup = None  # _spawn fell back: the cgroup could not be joined
+        finally:
+            if log_fd is not None:
+                os.close(log_fd)  # the keeper and the job hold it now
+        if cgroup is not None and not self.rec.cgroup:
+            log.warning("job %s: cannot join cgroup %s: membership falls back to the "
+                        "process tree", job.name, cgroup.path)
+            cgroup.close()
+            cgroup = None
         self.started = time.monotonic()
-        self._alive_at = self.started
         self.started_wall = time.time()
-        self.pid = self.proc.pid
-        self.tree = JobTree(job.name, self.pid, cgroup)
-        self.cgroup = cgroup
-        self.pidfd: int | None = None
-        with contextlib.suppress(OSError, AttributeError):
-            self.pidfd = os.pidfd_open(self.pid)
-        self.returncode: int | None = None
-        self.exited_at: float | None = None
-        assert self.proc.stdout is not None and self.proc.stderr is not None
-        self.pipes: dict[int, int] = {self.proc.stdout.fileno(): 1, self.proc.stderr.fileno(): 2}
-        for fd in self.pipes:
-            os.set_blocking(fd, False)
-        # (pid, write end of its stdin, pidfd): see _watch.
+        self._attach(cgroup, passthrough)
         self._watcher: tuple[int, int, int | None] | None = None
         if die_with_parent:
             self._watcher = (_watch(_WATCH_CGROUP, cgroup.path) if cgroup is not None
                              else _watch(_WATCH_SESSION, str(self.pid)))
 
-    def _spawn(self, argv: list[str], env: dict[str, str], cgroup: AttemptCgroup | None,
-               ident: Identity | None, die_with_parent: bool,
-               umask: int) -> subprocess.Popen[bytes]:
-        for cg in (cgroup, None) if cgroup is not None else (None,):
-            fd = cg.procs_fd if cg is not None else None
-            try:
-                return subprocess.Popen(
-                    argv, env=env, cwd=self.job.workdir,
-                    preexec_fn=credentials.child_setup(fd, ident, die_with_parent),
-                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    start_new_session=True, close_fds=True, umask=umask,
-                )
-            except subprocess.SubprocessError:
-                if cg is None:
-                    who = f"uid {ident.uid} gid {ident.gid}" if ident else "its credentials"
-                    raise OSError(errno.EPERM, f"the job's process could not take {who}",
-                                  argv[0]) from None
-                log.warning("job %s: cannot join cgroup %s: membership falls back to the "
-                            "process tree", self.job.name, cg.path)
-                cg.close()
-        raise AssertionError("unreachable")
+    @classmethod
+    def adopt(cls, job: Job, number: int, rec: kept.Launched, pidfd: int | None,
+              cgroup_path: str | None, log_path: str | None, resume_from: str | None,
+              resumed_step: int | None, gpus: list[int] | None, started_wall: float) -> Attempt:
+        """The attempt a trainwatch before us launched, found running (or ended) again."""
+        self = cls.__new__(cls)
+        self._common(job, number, resume_from, resumed_step, gpus)
+        self.rec, self.pidfd = rec, pidfd
+        self.log_path = Path(log_path) if log_path else Path(os.devnull)
+        self.started_wall = started_wall
+        self.started = time.monotonic() - max(0.0, time.time() - started_wall)
+        cgroup = AttemptCgroup.existing(cgroup_path) if cgroup_path and rec.cgroup else None
+        self._attach(cgroup, False)
+        self._watcher = None
+        return self
+
+    def _common(self, job: Job, number: int, resume_from: str | None,
+                resumed_step: int | None, gpus: list[int] | None) -> None:
+        self.job = job
+        self.number = number
+        self.resume_from = resume_from
+        self.resumed_step = resumed_step
+        self.dropped = 0  # bytes of output lost (passthrough full)
+        self.log_errors = 0  # failed opens and mode changes of the log
+        self._warned: set[str] = set()
+        self.gpus = gpus
+        self.closed = False
+        self.returncode: int | None = None
+        self.exited_at: float | None = None
+        self.status_lost = False  # the keeper died without recording the exit
+
+    def _attach(self, cgroup: AttemptCgroup | None, passthrough: bool) -> None:
+        self.pid = self.rec.pid
+        self.cgroup = cgroup
+        self.tree = JobTree(self.job.name, self.pid, cgroup,
+                            leader_start=kept.ticks(self.rec.leader_start))
+        self._alive_at = time.monotonic()
+        self.follower: LogFollower | None = None
+        if passthrough:
+            self.follower = LogFollower(str(self.log_path), self._through)
+
+    def _through(self, data: bytes) -> None:
+        self.dropped += passthrough.to(1).write(data)
+
+    def follow(self) -> None:
+        """Copy the log's new output through to our stdout (trainwatch run)."""
+        if self.follower is not None:
+            self.follower.poll()
 
     def _open_log(self, log_dir: Path, ident: Identity | None) -> int | None:
         """The attempt's log, 0640 in a 0750 folder, group-owned by the job's group
@@ -239,100 +259,48 @@ class Attempt:
         self.log_errors += 1
         statewrites.count("log")
 
-    def pump(self, fd: int) -> bool:
-        """Copy what is waiting on one output pipe; False at end of file."""
-        try:
-            data = os.read(fd, _CHUNK)
-        except BlockingIOError:
-            return True
-        except OSError:
-            data = b""
-        if not data:
-            return False
-        self._copy(fd, data)
-        return True
-
-    def _copy(self, fd: int, data: bytes) -> None:
-        """To the log, and through to our own stdout/stderr. Neither may stop the
-        loop: a write error (disk full) or a reader that stopped reading (a paused
-        terminal, `| sleep`) drops the output and counts it."""
-        if self.log_fd is None:
-            self.dropped += len(data)
-        else:
-            view = memoryview(data)
-            try:
-                while view:
-                    view = view[os.write(self.log_fd, view):]
-            except OSError as e:
-                self._log_failed("write", e)
-                self.dropped += len(view)
-        if self.passthrough:
-            self.dropped += passthrough.to(self.pipes[fd]).write(data)
-
-    def _drain(self, fd: int) -> None:
-        while True:
-            try:
-                data = os.read(fd, _CHUNK)
-            except OSError:
-                return
-            if not data:
-                return
-            self._copy(fd, data)
-
     def poll_exit(self) -> int | None:
-        """The leader's returncode (negative: signal) once it has exited. It is
-        left a zombie (see the module's docstring); close() reaps it."""
+        """The leader's returncode (negative: signal) once its keeper recorded it."""
         if self.returncode is not None:
             return self.returncode
-        try:
-            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            # Reaped by someone else: its status is lost, and its pid may be reused.
-            self.tree.leader_reaped = True
-            info = None
-            code = 0
-        else:
-            if info is None:
-                self._alive_at = time.monotonic()
-                return None
-            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        d = kept.read_exit(self.rec)
         now = time.monotonic()
-        self.returncode = code
-        # With a pidfd we are woken at the exit itself; when polling, the exit
-        # happened after the last poll that saw it alive: take that, so the
-        # ledger's detection latency includes the polling delay.
-        self.exited_at = now if self.pidfd is not None else self._alive_at
-        self.proc.returncode = code  # keep Popen from ever waiting on the pid itself
-        return code
+        if d is not None:
+            self.returncode = int(d["returncode"])
+            at = d.get("exited_at")
+            self.exited_at = now - max(0.0, time.time() - at) if isinstance(at, (int, float)) \
+                else now
+            return self.returncode
+        if kept.adopt(self.rec) != "gone":
+            self._alive_at = now
+            return None
+        if kept.read_exit(self.rec) is None:  # it may have written it just before exiting
+            # The keeper was killed: how the job ended is not known. Its leader
+            # cannot outlive it unnoticed (it is gone too, or in the tree we stop).
+            log.error("job %s: the keeper of attempt %d (pid %d) is gone without recording "
+                      "the exit status", self.job.name, self.number, self.rec.keeper)
+            self.status_lost = True
+            self.returncode = -int(signal.SIGKILL)
+            self.exited_at = self._alive_at
+            return self.returncode
+        return self.poll_exit()
 
     @property
     def watcher_pid(self) -> int | None:
         """The pid of the watcher that ends the attempt with us (None: none, or stood down)."""
         return None if self._watcher is None else self._watcher[0]
 
-    @property
-    def holds_pid(self) -> bool:
-        """True while the leader's pid is ours (alive, or an unreaped zombie):
-        nobody else (the supervisor's stray reaper) may reap it."""
-        return not self.closed and not self.tree.leader_reaped
-
     def close(self) -> None:
-        """After the tree is gone: drain the output, reap the leader, remove the cgroup."""
+        """After the tree is gone: the last output through, the keeper reaped, the
+        cgroup removed."""
         if self.closed:
             return
-        for fd in list(self.pipes):
-            self._drain(fd)  # whatever is still buffered goes to the log first
-        for f in (self.proc.stdout, self.proc.stderr):
-            if f is not None:
-                f.close()
-        self.pipes.clear()
+        if self.follower is not None:
+            self.follower.close()
+        kept.reap(self.rec, self.pidfd)
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
-        if self.poll_exit() is not None and not self.tree.leader_reaped:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, os.WNOHANG)
-            self.tree.leader_reaped = True
         self.closed = True
         if not self.tree.close() and self.cgroup is not None:
             log.warning("job %s: cgroup %s still holds processes; left in place",
@@ -340,12 +308,15 @@ class Attempt:
         if self._watcher is not None:
             _stand_down(*self._watcher)
             self._watcher = None
-        if self.log_fd is not None:
-            try:
-                os.close(self.log_fd)
-            except OSError as e:  # a network file system may report a lost write here
-                self._log_failed("close", e)
-            self.log_fd = None
+
+    def release(self) -> None:
+        """Leave the attempt running without us (the daemon stops; the next adopts it)."""
+        if self.follower is not None:
+            self.follower.close()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+        self.closed = True
 
 
 def _watch(script: str, target: str) -> tuple[int, int, int | None] | None:

@@ -151,6 +151,17 @@ class AttemptCgroup:
         except OSError:
             return None
 
+    @classmethod
+    def existing(cls, path: str) -> AttemptCgroup | None:
+        """An attempt's cgroup made by a trainwatch before us (adoption); None when gone."""
+        mnt = mount()
+        if mnt is None or not os.path.isdir(path) or not path.startswith(mnt.rstrip("/") + "/"):
+            return None
+        self = cls.__new__(cls)
+        self.rel = "/" + os.path.relpath(path, mnt)
+        self.path, self.procs_fd, self._prefix = path, None, self.rel + "/"
+        return self
+
     def holds(self, pid: int) -> bool:
         """Is pid in this cgroup (or one below it)? One small file read."""
         c = of(pid)

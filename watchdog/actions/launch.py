@@ -64,6 +64,7 @@ def launch(r: JobRunner, reason: str) -> None:
     if r.attempt is not None:
         r.output_dropped_before += r.attempt.dropped
     r.attempt = a
+    r.restarts += 1 if r.number > 0 else 0
     r.outages.started(a.started)
     intervals = r.ranks.intervals  # the faulted attempt's seconds per step
     step_s = statistics.median(intervals) if intervals else 0.0
@@ -75,8 +76,6 @@ def launch(r: JobRunner, reason: str) -> None:
     reached, r.last_step = r.last_step, cp.step if cp else None
     if a.pidfd is not None:
         r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
-    for fd in a.pipes:
-        r.sel.register(fd, selectors.EVENT_READ, r.on_output)
     where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
     if gpus is not None:
         where += f", GPUs {','.join(map(str, gpus))}"

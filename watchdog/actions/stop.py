@@ -46,6 +46,8 @@ def progress(s: Stop, a: Attempt | None, now: float, grace: float, observe_only:
     if now >= s.deadline and not s.killed:
         log.warning("job %s: %d processes outlived kill_grace %gs: SIGKILL", job, len(alive),
                     grace)
-        a.tree.signal(signal.SIGKILL, alive)
+        cg = a.tree.cgroup
+        if cg is None or not cg.kill():  # cgroup.kill: every member at once, forks included
+            a.tree.signal(signal.SIGKILL, alive)
         s.killed = True
     return False

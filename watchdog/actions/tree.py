@@ -80,7 +80,10 @@ def _parent_map() -> dict[int, int]:
 class JobTree:
     """The processes of one attempt of one job."""
 
-    def __init__(self, job: str, leader: int, cgroup: AttemptCgroup | None = None) -> None:
+    def __init__(self, job: str, leader: int, cgroup: AttemptCgroup | None = None,
+                 leader_start: int | None = None) -> None:
+        """``leader_start``: the start time the leader was recorded with (an adopted
+        attempt): a leader that no longer has it is not ours."""
         self.job = job
         self.leader = leader
         self.sid = leader  # started with start_new_session: leader is session and group leader
@@ -94,6 +97,9 @@ class JobTree:
         # Set once the leader has been reaped (by close(), or by someone else):
         # from then on its pid, process group and session id may be a stranger's.
         self.leader_reaped = False
+        if leader_start is not None and self._leader_start != leader_start:
+            self.known.pop(leader, None)
+            self._leader_start, self.leader_reaped = leader_start, True
         self.closed = False
         self.unproven = 0  # signals not sent: the pid's identity could not be proven
 

@@ -374,7 +374,8 @@ def _gpu(r: Reader, raw: object) -> Gpu:
 def from_mapping(raw: object, source: str = "<config>") -> Config:
     """Validate a parsed YAML document into a Config."""
     r = Reader(source)
-    keys = {"state_dir", "run_dir", "metrics", "gpu", "jobs", "policies", "observe_only"}
+    keys = {"state_dir", "run_dir", "metrics", "gpu", "jobs", "policies", "observe_only",
+            "removed_jobs"}
     m = r.mapping(raw, "", keys)
     state_default, run_default = default_dirs()
 
@@ -390,8 +391,9 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
 
     gpu = _gpu(r, m.get("gpu"))
     raw_jobs = m.get("jobs", _MISSING)
-    if not isinstance(raw_jobs, list) or not raw_jobs:
-        raise r.fail("jobs", "a non-empty list of jobs", raw_jobs)
+    # `jobs: []` is a daemon with nothing to supervise yet (added by a reload).
+    if not isinstance(raw_jobs, list):
+        raise r.fail("jobs", "a list of jobs (`jobs: []` for none yet)", raw_jobs)
     seen: set[str] = set()
     jobs = tuple(_job(r, i, j, policies, seen, gpu.backend) for i, j in enumerate(raw_jobs))
 
@@ -410,6 +412,14 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         ),
         gpu=gpu,
         observe_only=r.get(m, "observe_only", "", "true or false", False),
+        removed_jobs=_removed(r, m.get("removed_jobs", "keep")),
         source=source,
     )
 
+
+
+def _removed(r: Reader, v: object) -> str:
+    """What a reload does with a running job that left the config."""
+    if v not in ("keep", "stop"):
+        raise r.fail("removed_jobs", "keep (left running, unwatched) or stop", v)
+    return str(v)

@@ -147,6 +147,7 @@ class Config:
     metrics: Metrics = field(default_factory=Metrics)
     gpu: Gpu = field(default_factory=Gpu)
     observe_only: bool = False
+    removed_jobs: str = "keep"  # a reload: keep running unwatched, or stop
     source: str = "<defaults>"
 
     def policy_for(self, job: Job) -> Policy:
@@ -154,6 +155,8 @@ class Config:
 
     def job(self, name: str | None) -> Job:
         if name is None:
+            if not self.jobs:
+                raise ConfigError(f"{self.source}: jobs: no job to run (the list is empty)")
             if len(self.jobs) != 1:
                 names = ", ".join(j.name for j in self.jobs)
                 raise ConfigError(f"{self.source}: jobs: expected one job or --name, got {names}")

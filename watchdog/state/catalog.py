@@ -217,6 +217,14 @@ class Catalog:
             self._dirty, self._saved_at = False, now
             self._save()
 
+    def quarantine_after(self, step: int, why: str) -> None:
+        """Checkpoints newer than ``step`` are never resumed from again (a rollback
+        past them); kept on disk, never deleted."""
+        for e in self.entries():
+            if e.step > step and e.step not in self.bad:
+                self.bad[e.step] = f"quarantined: {why}"
+        self._save()
+
     def start_failed(self, step: int) -> bool:
         """The job died before its first beat after resuming from ``step``.
         Returns True when that makes the checkpoint bad."""

@@ -38,6 +38,7 @@ class Runtime:
     ever_beaten: bool = False
     xids: list[tuple[int | None, float]] = field(default_factory=list)
     paused: bool = False  # the operator: keep watching, stop acting
+    restart_count: int = 0
     saved_at: float = 0.0
     v: int = VERSION
 

@@ -1,0 +1,400 @@
+"""The operator commands that talk to the running daemon over its control
+socket (``trainwatch.control``): ``status``, ``incidents``, ``checkpoints``,
+``rollback``, ``pause``, ``resume``, ``stop``, ``start`` and ``reload``.
+
+Each sends one request and prints the reply as a table or one line, or with
+``--json`` the reply's payload (without ``"ok"``). What goes wrong is one line
+on stderr and exit 1: no daemon, permission denied, or the daemon's own refusal
+(``trainwatch OP: why``); a bad ``--config`` stays a usage error (exit 2, via
+``ConfigError`` in ``cli.main``). ``incidents`` also works without a daemon: it
+reads the ledger read-only, as it always has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sqlite3
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trainwatch.config import ConfigError, default_dirs, load
+from trainwatch.control import GROUP, ControlError, control_path, request
+from trainwatch.state.ledger import Ledger
+
+__all__ = [
+    "add_parsers",
+    "age",
+    "render_checkpoints",
+    "render_incidents",
+    "render_status",
+    "run_dir_of",
+]
+
+INCIDENT_LIMIT = 50  # rows `incidents` asks for by default: one reply is at most 64 KiB
+
+Command = Callable[[argparse.Namespace], int]
+
+
+class Failed(Exception):
+    """A command failed for a reason outside the user's flags: one line, exit 1."""
+
+    def __init__(self, line: str, op: str | None = None) -> None:
+        super().__init__(line)
+        self.op = op
+
+
+class NotRunning(Failed):
+    """No daemon behind the run_dir (no socket, or nothing bound to it)."""
+
+
+def _command(body: Command) -> Command:
+    """Failed becomes its one line on stderr and exit 1."""
+
+    @functools.wraps(body)
+    def cmd(args: argparse.Namespace) -> int:
+        try:
+            return body(args)
+        except Failed as e:
+            who = f"trainwatch {e.op}" if e.op else "trainwatch"
+            print(f"{who}: {e}", file=sys.stderr)
+            return 1
+
+    return cmd
+
+
+# --- talking to the daemon ---------------------------------------------------
+
+
+def run_dir_of(args: argparse.Namespace) -> str:
+    """--run-dir, else the config's run_dir, else the default one."""
+    if args.run_dir:
+        return str(args.run_dir)
+    if args.config:
+        return load(args.config).run_dir
+    return default_dirs()[1]
+
+
+def _permission(path: str) -> Failed:
+    return Failed(f"permission denied: {path}: root or members of the {GROUP} group only")
+
+
+def ask(run_dir: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    """One request; the reply's payload (without "ok"). Raises Failed, one line."""
+    path = control_path(run_dir)
+    try:
+        reply = request(run_dir, op, args)
+    except ControlError as e:
+        # request() raises "from None"; the OS error it maps is still the context.
+        cause = e.__context__
+        if isinstance(cause, FileNotFoundError | ConnectionRefusedError):
+            raise NotRunning(f"no trainwatch daemon at {path} (is it running?"
+                             " --run-dir/--config)") from None
+        if isinstance(cause, PermissionError):
+            raise _permission(path) from None
+        raise Failed(str(e)) from None
+    if not reply["ok"]:
+        error = " ".join(str(reply.get("error") or "failed").split())
+        if error.startswith("not permitted"):  # ControlSocket's refusal of the sender
+            raise _permission(path)
+        # ControlSocket puts the op before a handler's error; we name it already.
+        raise Failed(error.removeprefix(f"{op}: "), op)
+    return {k: v for k, v in reply.items() if k != "ok"}
+
+
+def _print_json(payload: Any) -> None:
+    json.dump(payload, sys.stdout, indent=1)
+    print()
+
+
+def _render(op: str, fn: Callable[[], str]) -> str:
+    """A reply that does not have the expected shape is one line, not a traceback
+    (a daemon of another version)."""
+    try:
+        return fn()
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise Failed(f"unexpected reply from the daemon ({type(e).__name__}: {e})", op) from None
+
+
+# --- rendering ---------------------------------------------------------------
+
+
+def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    table = [tuple(head), *(tuple(r) for r in rows)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in table)
+
+
+def _fmt(x: Any, unit: str = "") -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3f}{unit}"
+    return f"{x}{unit}"
+
+
+def age(seconds: float | None) -> str:
+    """3.2s, 4m, 2h, 3d; - when unknown."""
+    if seconds is None:
+        return "-"
+    s = max(0.0, float(seconds))
+    if s < 60:
+        return f"{s:.1f}s"
+    if s < 3600:
+        return f"{int(s // 60)}m"
+    if s < 86400:
+        return f"{int(s // 3600)}h"
+    return f"{int(s // 86400)}d"
+
+
+def _rate(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def _state(state: str | None, paused: bool) -> str:
+    shown = state or "-"  # None: a job not started yet
+    return f"{shown} (paused)" if paused and state != "paused" else shown
+
+
+def _gpus(gpus: list[int] | None) -> str:
+    if gpus is None:
+        return "-"
+    return ",".join(str(g) for g in gpus) if gpus else "none"
+
+
+def render_status(reply: dict[str, Any], now: float | None = None) -> str:
+    """The daemon's line, then one line per job (or "no jobs")."""
+    now = time.time() if now is None else now
+    lines = []
+    d = reply.get("daemon")
+    if d:
+        lines.append(f"trainwatch {d['version']}: pid {d['pid']}, up {age(d['uptime'])},"
+                     f" config {d.get('config') or '-'}")
+    jobs = reply["jobs"]
+    if not jobs:
+        lines.append("no jobs")
+        return "\n".join(lines)
+    rows = []
+    for j in jobs:
+        last = j.get("last_incident")
+        incident = "-" if not last else (f"#{last['id']} {last['kind']} {last['action']}"
+                                         f" {age(now - float(last['time']))} ago")
+        rows.append((j["job"], _state(j["state"], bool(j["paused"])), _fmt(j["step"]),
+                     _rate(j["steps_per_second"]), age(j["last_beat_age"]),
+                     str(j["restarts"]), _gpus(j["gpus"]), incident))
+    head = ("JOB", "STATE", "STEP", "STEPS/S", "BEAT", "RESTARTS", "GPUS", "LAST INCIDENT")
+    lines.append(_table(head, rows))
+    return "\n".join(lines)
+
+
+def render_incidents(rows: list[dict[str, Any]]) -> str:
+    """The ledger's incident rows as a table (or "no incidents")."""
+    if not rows:
+        return "no incidents"
+    head = ("id", "time", "job", "kind", "rank", "action", "attempt", "detect", "relaunch",
+            "resumed", "lost")
+    table = []
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"]))
+        action = r["action"] + (" (observed)" if r["observe_only"] else "")
+        table.append((
+            str(r["id"]), when, r["job"], r["kind"], _fmt(r["rank"]), action, str(r["attempt"]),
+            _fmt(r["detection_latency_s"], "s"), _fmt(r["time_to_relaunch_s"], "s"),
+            _fmt(r["resumed_step"]), _fmt(r["steps_lost"]),
+        ))
+    return _table(head, table)
+
+
+def render_checkpoints(reply: dict[str, Any]) -> str:
+    """STEP VERDICT PATH (WHY); the last good one's verdict reads "last good"."""
+    cps = reply["checkpoints"]
+    if not cps:
+        return f"no checkpoints for {reply['job']}"
+    rows = [(str(c["step"]), "last good" if c.get("last_good") else str(c["verdict"]),
+             c["path"] + (f" ({c['why']})" if c.get("why") else "")) for c in cps]
+    return _table(("STEP", "VERDICT", "PATH"), rows)
+
+
+def _reload_line(reply: dict[str, Any]) -> str:
+    parts = [f"{what} {', '.join(reply[what])}" for what in ("added", "changed", "removed")
+             if reply.get(what)]
+    unchanged = len(reply.get("unchanged") or [])
+    if not parts:
+        return f"reloaded: no changes ({unchanged} job(s) unchanged)"
+    return f"reloaded: {'; '.join(parts)}; {unchanged} unchanged"
+
+
+# --- the commands ------------------------------------------------------------
+
+
+@_command
+def cmd_status(args: argparse.Namespace) -> int:
+    reply = ask(run_dir_of(args), "status", {})
+    if args.json:
+        _print_json(reply)
+    else:
+        print(_render("status", lambda: render_status(reply)))
+    return 0
+
+
+def _ledger_rows(state_dir: str, job: str | None, limit: int, *,
+                 missing: Callable[[], Exception]) -> list[dict[str, Any]]:
+    """The newest ``limit`` incidents of the ledger, oldest first, read-only."""
+    try:
+        ledger = Ledger(state_dir, readonly=True)
+    except FileNotFoundError:
+        raise missing() from None
+    try:
+        return ledger.incidents(job)[-limit:]
+    except sqlite3.Error as e:
+        raise Failed(f"{ledger.path}: cannot read the ledger: {e}", "incidents") from None
+    finally:
+        ledger.close()
+
+
+@_command
+def cmd_incidents(args: argparse.Namespace) -> int:
+    limit = args.limit
+    if args.state_dir and not args.run_dir:
+        # The user named the ledger: read it, daemon or not (as before issue 10).
+        state_dir = str(args.state_dir)
+        rows = _ledger_rows(state_dir, args.job, limit, missing=lambda: ConfigError(
+            f"{state_dir}: no ledger here (expected {state_dir}/ledger.db)"))
+    else:
+        config = load(args.config) if args.config else None
+        run_dir = args.run_dir or (config.run_dir if config else default_dirs()[1])
+        # Without a daemon, the ledger of the same config (or the defaults); not for
+        # a bare --run-dir, whose ledger we do not know.
+        fallback = args.state_dir or (config.state_dir if config else
+                                      None if args.run_dir else default_dirs()[0])
+        try:
+            rows = ask(run_dir, "incidents", {"job": args.job, "limit": limit})["incidents"]
+        except NotRunning as e:
+            if fallback is None:
+                raise
+            nothing = Failed(f"{e} and no ledger at {fallback}/ledger.db")
+            rows = _ledger_rows(str(fallback), args.job, limit, missing=lambda: nothing)
+        if not isinstance(rows, list):
+            raise Failed("unexpected reply from the daemon (incidents is not a list)",
+                         "incidents")
+    if args.json:
+        _print_json(rows)  # the rows, as before: the same whether daemon or ledger
+    else:
+        print(_render("incidents", lambda: render_incidents(rows)))
+    return 0
+
+
+@_command
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    reply = ask(run_dir_of(args), "checkpoints", {"job": args.job})
+    if args.json:
+        _print_json(reply)
+    else:
+        print(_render("checkpoints", lambda: render_checkpoints(reply)))
+    return 0
+
+
+@_command
+def cmd_rollback(args: argparse.Namespace) -> int:
+    reply = ask(run_dir_of(args), "rollback", {"job": args.job, "step": args.to_step})
+    if args.json:
+        _print_json(reply)
+    else:
+        print(_render("rollback", lambda: f"{reply['job']}: relaunching from step"
+                                          f" {reply['step']} ({reply['checkpoint']})"))
+    return 0
+
+
+def _job_command(op: str) -> Command:
+    @_command
+    def cmd(args: argparse.Namespace) -> int:
+        reply = ask(run_dir_of(args), op, {"job": args.job})
+        if args.json:
+            _print_json(reply)
+        else:
+            print(_render(op, lambda: f"{reply['job']}: "
+                                      f"{_state(reply['state'], bool(reply['paused']))}"))
+        return 0
+
+    cmd.__name__ = cmd.__qualname__ = f"cmd_{op}"
+    return cmd
+
+
+cmd_pause = _job_command("pause")
+cmd_resume = _job_command("resume")
+cmd_stop = _job_command("stop")
+cmd_start = _job_command("start")
+
+
+@_command
+def cmd_reload(args: argparse.Namespace) -> int:
+    reply = ask(run_dir_of(args), "reload", {})
+    if args.json:
+        _print_json(reply)
+    if not reply.get("reloaded"):
+        raise Failed(str(reply.get("error") or "not reloaded"), "reload")
+    if not args.json:
+        print(_render("reload", lambda: _reload_line(reply)))
+    return 0
+
+
+# --- the parsers -------------------------------------------------------------
+
+
+def _count(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = least - 1
+        if n < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}")
+        return n
+
+    return parse
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the operator commands to ``trainwatch``'s subcommands; each sets
+    ``fn`` (cli.main's dispatch) to its ``cmd_*``."""
+
+    def command(name: str, help: str, fn: Command) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help)
+        p.add_argument("--config", help="the daemon's config (for its run_dir)")
+        p.add_argument("--run-dir", help="the daemon's run_dir (control.sock)")
+        p.add_argument("--json", action="store_true", help="print the daemon's reply as JSON")
+        p.set_defaults(fn=fn)
+        return p
+
+    command("status", "the daemon's jobs: state, step, heartbeat, restarts", cmd_status)
+
+    i = command("incidents", "list recorded incidents (the ledger's, without a daemon)",
+                cmd_incidents)
+    i.add_argument("--state-dir", help="read this ledger directly")
+    i.add_argument("--job", help="only this job's")
+    i.add_argument("--limit", type=_count(1), default=INCIDENT_LIMIT,
+                   help=f"the newest N (default {INCIDENT_LIMIT})")
+
+    c = command("checkpoints", "a job's checkpoints and their verdicts", cmd_checkpoints)
+    c.add_argument("job")
+
+    r = command("rollback", "relaunch a job from the checkpoint of a step", cmd_rollback)
+    r.add_argument("job")
+    r.add_argument("--to-step", type=_count(0), required=True, metavar="N",
+                   help="the step of a good checkpoint")
+
+    for name, help, fn in (
+        ("pause", "stop acting on a job's faults (record only)", cmd_pause),
+        ("resume", "act on a paused job's faults again", cmd_resume),
+        ("stop", "stop a job (its whole process tree)", cmd_stop),
+        ("start", "start a stopped job", cmd_start),
+    ):
+        command(name, help, fn).add_argument("job")
+
+    command("reload", "re-read the daemon's config", cmd_reload)

@@ -1,0 +1,188 @@
+"""``trainwatch daemon``: the host service around the supervisor's loop.
+
+It differs from ``trainwatch run`` in what it does at its edges:
+- it runs until told to stop; a job that ends stays listed in its final state;
+- on SIGTERM/SIGINT it leaves the jobs running (each has its own keeper
+  process, actions/keeper.py) and the next daemon adopts them (adopt.py);
+- SIGHUP reloads the config file: a bad one is one log line and the old one
+  stays; unchanged jobs are untouched, new jobs start, changed jobs take the
+  change at their next launch, removed jobs are released (left running,
+  adopted again if they come back) or stopped if ``removed_jobs: stop``;
+- periodic work runs on an APScheduler BackgroundScheduler (max_instances=1,
+  coalesce=True), each run under the loop's lock;
+- systemd: READY=1 once sockets are bound and jobs adopted or started,
+  STATUS=, WATCHDOG=1 from the loop while it turns, RELOADING=1, STOPPING=1.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any
+
+from apscheduler.schedulers.background import BackgroundScheduler  # type: ignore[import-untyped]
+from trainwatch.config import Config, ConfigError, load
+from trainwatch.job import JobRunner
+from trainwatch.service import Service
+from trainwatch.supervisor import Supervisor
+from trainwatch.types import JobState
+
+log = logging.getLogger("trainwatch")
+
+_STATUS_EVERY = 5.0  # seconds between STATUS= lines
+_CATALOG_EVERY = 10.0  # checkpoint scans
+
+
+class Daemon(Supervisor):
+    def __init__(self, config: Config) -> None:
+        self.service = Service()
+        self._reload_asked = False
+        super().__init__(config)
+        self.scheduler = BackgroundScheduler(
+            job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
+            timezone="UTC")
+        self.scheduler.add_job(self._locked(self._scan_checkpoints), "interval",
+                               seconds=_CATALOG_EVERY, id="checkpoints")
+        self.scheduler.add_job(self._locked(self._publish_all), "interval",
+                               seconds=1.0, id="status")
+        self.scheduler.add_job(self._locked(self.reap_strays), "interval",
+                               seconds=5.0, id="reap")
+        self._status_at = 0.0
+
+    # --- the loop's edges ------------------------------------------------------
+
+    def _signals(self) -> tuple[int, ...]:
+        return (signal.SIGINT.value, signal.SIGTERM.value, signal.SIGHUP.value)
+
+    def _handler(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGHUP:
+            self._reload_asked = True
+            self.wake()
+        else:
+            self.request_stop(signum)
+
+    def begin(self) -> None:
+        for r in self.runners:
+            self._guarded(r.adopt_or_start)
+        self.scheduler.start()
+        self.service.ready(self._summary())
+
+    def keep_running(self) -> bool:
+        return self.stop_signal is None
+
+    def each_round(self, now: float) -> None:
+        if self._reload_asked:
+            self._reload_asked = False
+            self.reload()
+        self.service.watchdog(now)
+        if now >= self._status_at:
+            self._status_at = now + _STATUS_EVERY
+            self.service.status(self._summary())
+
+    def finish(self) -> int:
+        self.service.stopping()
+        name = signal.Signals(self.stop_signal).name if self.stop_signal else "-"
+        log.info("stopping on %s: jobs left running, adopted at the next start", name)
+        return 0
+
+    def close(self) -> None:
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=True)
+        super().close()
+
+    def release_jobs(self) -> bool:
+        return True
+
+    # --- periodic work (scheduler threads, under the loop's lock) -----------
+
+    def _locked(self, fn: Any) -> Any:
+        def run() -> None:
+            with self.lock:
+                self._guarded(fn)
+        run.__qualname__ = fn.__qualname__
+        return run
+
+    def _scan_checkpoints(self) -> None:
+        for r in self.runners:
+            r.refresh_checkpoints()
+
+    def _publish_all(self) -> None:
+        for r in self.runners:
+            if r.last_step != r.published_step:
+                r.publish()
+
+    def _summary(self) -> str:
+        counts: dict[str, int] = {}
+        for r in self.runners:
+            s = r.state.value if r.state else "-"
+            counts[s] = counts.get(s, 0) + 1
+        jobs = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no jobs"
+        return f"{len(self.runners)} jobs: {jobs}"
+
+    # --- reload --------------------------------------------------------------
+
+    def reload(self) -> dict[str, Any]:
+        """Read the config file again and apply it; the old one stays on any error."""
+        self.service.reloading()
+        try:
+            return self._reload()
+        finally:
+            self.service.ready(self._summary())
+
+    def _reload(self) -> dict[str, Any]:
+        source = self.config.source
+        out: dict[str, Any] = {"reloaded": False, "error": None, "added": [], "changed": [],
+                               "removed": [], "unchanged": []}
+        try:
+            new = load(source)
+            for j in new.jobs:
+                self.check_job(j)
+            if (new.state_dir, new.run_dir) != (self.config.state_dir, self.config.run_dir):
+                raise ConfigError(f"{source}: state_dir and run_dir take effect only at a "
+                                  "restart of the daemon")
+        except ConfigError as e:
+            log.error("reload refused, the old config stays in force: %s", e)
+            out["error"] = str(e)
+            return out
+        old = {r.job.name: r for r in self.runners}
+        names = {j.name for j in new.jobs}
+        for r in list(self.runners):
+            if r.job.name not in names:
+                out["removed"].append(r.job.name)
+                self.remove_runner(r, stop=new.removed_jobs == "stop")
+        for j in new.jobs:
+            known = old.get(j.name)
+            if known is None:
+                try:
+                    added = self.add_runner(new, j)
+                except ConfigError as e:
+                    log.error("reload: job %s not started: %s", j.name, e)
+                    continue
+                out["added"].append(j.name)
+                self._guarded(added.adopt_or_start)
+            elif known.job != j or known.policy != new.policy_for(j):
+                out["changed"].append(j.name)
+                known.reconfigure(new, j)
+            else:
+                out["unchanged"].append(j.name)
+                known.config = new
+        self.config = new
+        out["reloaded"] = True
+        log.info("reloaded %s: added %s, changed %s, removed %s, unchanged %d", source,
+                 out["added"] or "none", out["changed"] or "none", out["removed"] or "none",
+                 len(out["unchanged"]))
+        return out
+
+
+def ended(r: JobRunner) -> bool:
+    return r.state in (JobState.EXITED, JobState.FATAL, JobState.PAUSED)
+
+
+def main(config_path: str) -> int:
+    config = load(config_path)
+    started = time.monotonic()
+    d = Daemon(config)
+    log.info("trainwatch daemon: %d jobs from %s (%.0f ms to open)", len(d.runners),
+             config.source, 1000 * (time.monotonic() - started))
+    return d.run()

@@ -1,0 +1,113 @@
+"""The operator's commands, as the daemon answers them on the control socket
+(``trainwatch status``, ``incidents``, ``checkpoints``, ``rollback``, ``pause``,
+``resume``, ``stop``, ``start``, ``reload``; commands.py is the client side).
+Each takes the request's args and returns the reply's payload; a ValueError
+is the one line the client prints."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import TYPE_CHECKING, Any
+
+from trainwatch import __version__
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
+    from trainwatch.supervisor import Supervisor
+
+OPS = frozenset({"status", "incidents", "checkpoints", "rollback", "pause", "resume", "stop",
+                 "start", "reload"})
+_INCIDENTS_MAX = 200  # rows in one reply (a datagram of at most 64 KiB)
+
+
+def answer(sup: Supervisor, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    if op == "status":
+        return status(sup)
+    if op == "incidents":
+        return incidents(sup, args)
+    if op == "reload":
+        return sup.reload()
+    r = _runner(sup, args)
+    if op == "checkpoints":
+        return checkpoints(r)
+    if op == "rollback":
+        step = args.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"expected a step number, got {step!r}")
+        path = r.rollback(step)
+        return {"job": r.job.name, "checkpoint": path, "step": step}
+    if op == "pause":
+        r.pause(True)
+    elif op == "resume":
+        r.pause(False)
+    elif op == "stop":
+        r.stop("operator: trainwatch stop")
+    elif op == "start":
+        r.operator_start()
+    return {"job": r.job.name, "state": r.state.value if r.state else None, "paused": r.paused}
+
+
+def _runner(sup: Supervisor, args: dict[str, Any]) -> JobRunner:
+    name = args.get("job")
+    for r in sup.runners:
+        if r.job.name == name:
+            return r
+    known = ", ".join(r.job.name for r in sup.runners) or "none"
+    raise ValueError(f"no job named {name!r} here (jobs: {known})")
+
+
+def status(sup: Supervisor) -> dict[str, Any]:
+    now, wall = time.monotonic(), time.time()
+    jobs = []
+    last = {}
+    for row in sup.ledger.incidents():
+        last[row["job"]] = row
+    for r in sup.runners:
+        a = r.attempt
+        beats = [v.last_beat for v in r.ranks.snapshot(now, 1 << 30).ranks]
+        intervals = list(r.ranks.intervals)[-64:]
+        per_step = statistics.median(intervals) if intervals else None
+        inc = last.get(r.job.name)
+        jobs.append({
+            "job": r.job.name,
+            "state": r.state.value if r.state else None,
+            "paused": r.paused,
+            "attempt": r.number,
+            "pid": a.pid if a is not None and not a.closed else None,
+            "step": r.last_step,
+            "steps_per_second": 1.0 / per_step if per_step else None,
+            "last_beat_age": now - max(beats) if beats else None,
+            "restarts": r.restarts,
+            "gpus": a.gpus if a is not None else None,
+            "last_incident": {"id": inc["id"], "kind": inc["kind"], "action": inc["action"],
+                              "time": inc["time"]} if inc else None,
+        })
+    return {"jobs": jobs, "daemon": {"pid": os.getpid(), "version": __version__,
+                                     "uptime": wall - sup.started_wall,
+                                     "config": sup.config.source}}
+
+
+def incidents(sup: Supervisor, args: dict[str, Any]) -> dict[str, Any]:
+    job, limit = args.get("job"), args.get("limit", 50)
+    if job is not None and not isinstance(job, str):
+        raise ValueError(f"expected a job name, got {job!r}")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        raise ValueError(f"expected a positive limit, got {limit!r}")
+    rows = sup.ledger.incidents(job)[-min(limit, _INCIDENTS_MAX):]
+    for row in rows:  # evidence can be long: the reply must fit one datagram
+        row["evidence"] = {k: str(v)[:200] for k, v in list(row["evidence"].items())[:16]}
+    return {"incidents": rows}
+
+
+def checkpoints(r: JobRunner) -> dict[str, Any]:
+    entries = r.catalog.entries()
+    good = [e for e in entries if e.good]
+    out = []
+    for e in entries[-200:]:
+        verdict = ("quarantined" if e.bad and e.why.startswith("bad: quarantined")
+                   else "bad" if e.bad else "good" if e.good else "unchecked")
+        out.append({"step": e.step, "path": e.path, "verdict": verdict,
+                    "why": e.why, "last_good": bool(good) and e is good[-1]})
+    return {"job": r.job.name, "checkpoints": out}
