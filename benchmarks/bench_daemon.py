@@ -20,7 +20,8 @@ binds (systemd-python must be installed for READY=1).
     start a new one (t0 just before Popen); READY=1, and "adopted": every job's
     status.json names the same pid as before, state running, and the ledger has a
     transition for the job after t0 whose to_state or reason says "adopt".
-    Goal: <= 1 s each.
+    Goal: <= 1 s each. For scale, the time a new interpreter takes to import
+    trainwatch.cli and trainwatch.daemon is printed too.
 (c) Steps lost across the restarts: each job's log ("step N" every 10 steps) must
     never go backwards nor skip, its attempt must not change, and the longest
     time its printed step stood still during a restart window is reported (the
@@ -58,6 +59,7 @@ from _common import (
     schedstat_ns,
     scratch_dir,
     summarize,
+    voluntary_switches,
     write_json,
 )
 
@@ -299,6 +301,21 @@ def last_step(log: Path) -> int:
     return int(found[-1]) if found else 0
 
 
+def import_floor(runs: int) -> list[float]:
+    """A new interpreter until it has imported the daemon (it then prints a line):
+    the floor under READY=1."""
+    out = []
+    for _ in range(runs):
+        t0 = time.monotonic()
+        p = subprocess.Popen([sys.executable, "-c", "import trainwatch.cli, trainwatch.daemon;"
+                              " print('ok', flush=True)"], stdout=subprocess.PIPE)
+        assert p.stdout is not None
+        p.stdout.readline()
+        out.append(time.monotonic() - t0)
+        p.communicate(timeout=60)
+    return out
+
+
 def fresh_starts(d: Path, runs: int, ranks: int, gpu: str) -> list[float]:
     """start -> READY=1 on an empty state dir (the daemon launches 4 jobs)."""
     out = []
@@ -322,7 +339,7 @@ def steady(h: Host, seconds: float) -> dict[str, Any]:
     cpu_w: list[float] = []
     pss_w: list[float] = []
     keeper_cpu0 = {k: cpu_ticks(k) for k in h.keepers() if start_time(k) is not None}
-    t_start, ticks0 = time.monotonic(), cpu_ticks(pid)
+    t_start, ticks0, wake0 = time.monotonic(), cpu_ticks(pid), voluntary_switches(pid)
     for _ in range(windows):
         a, ta = schedstat_ns(pid), time.monotonic()
         time.sleep(step)
@@ -330,6 +347,7 @@ def steady(h: Host, seconds: float) -> dict[str, Any]:
         cpu_w.append(100.0 * (b - a) / 1e9 / (tb - ta))
         pss_w.append(pss_bytes(pid) / 1e6)
     elapsed = time.monotonic() - t_start
+    wakeups = (voluntary_switches(pid) - wake0) / elapsed
     total = 100.0 * (cpu_ticks(pid) - ticks0) / TICK / elapsed
     keeper_cpu = sum(cpu_ticks(k) - t for k, t in keeper_cpu0.items() if start_time(k))
     keepers = list(keeper_cpu0)
@@ -341,6 +359,8 @@ def steady(h: Host, seconds: float) -> dict[str, Any]:
         "keepers_cpu_pct_total": 100.0 * keeper_cpu / TICK / elapsed,
         "keepers_pss_mb": sum(pss_bytes(k) for k in keepers if start_time(k)) / 1e6,
         "seconds": elapsed,
+        "wakeups_per_s": wakeups,
+        "threads": len(list(Path(f"/proc/{pid}/task").iterdir())),
     }
 
 
@@ -432,6 +452,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {"machine": machine(), "runs": runs, "ranks": args.ranks,
                               "gpu": args.gpu}
     try:
+        result["import_s"] = summarize(import_floor(runs))
         result["fresh_ready_s"] = summarize(fresh_starts(d, runs, args.ranks, args.gpu))
         h = Host(d / "main", args.ranks, args.gpu)
         try:
@@ -479,8 +500,11 @@ def main() -> int:
         ("daemon CPU, schedstat", fmt_summary(s["cpu_pct_windows"], "%"), "<= 0.5 %",
          s["cpu_pct_windows"].median <= 0.5),
         ("daemon PSS", fmt_summary(s["pss_mb"], "MB", 1), "<= 60 MB", s["pss_mb"].median <= 60),
+        ("daemon wake-ups (all threads)", f"{s['wakeups_per_s']:.0f} /s, {s['threads']}"
+         " threads", "", None),
         (f"keepers ({s['keepers']}) CPU, PSS", f"{s['keepers_cpu_pct_total']:.3f} %,"
          f" {s['keepers_pss_mb']:.1f} MB in all", "", None),
+        ("python + imports (floor)", fmt_summary(r["import_s"], "s"), "", None),
         ("fresh start -> READY=1", fmt_summary(r["fresh_ready_s"], "s"), "<= 1 s",
          r["fresh_ready_s"].median <= 1),
         ("restart -> READY=1", fmt_summary(rs["ready"], "s"), "<= 1 s", rs["ready"].median <= 1),

@@ -105,9 +105,9 @@ class Workspace:
         finally:
             con.close()
 
-    def status(self) -> dict[str, Any]:
+    def status(self, job: str = "job") -> dict[str, Any]:
         try:
-            return dict(json.loads((self.state / "jobs" / "job" / "status.json").read_text()))
+            return dict(json.loads((self.state / "jobs" / job / "status.json").read_text()))
         except (OSError, ValueError):
             return {}
 

@@ -561,3 +561,17 @@ def test_sigterm_leaves_jobs_running(host: Host) -> None:
         assert alive(s["pid"])
         log_grows(Path(s["log"]))
         assert "signal" not in Path(s["log"]).read_text()
+
+
+def test_a_daemon_whose_jobs_just_run_writes_no_log_lines(host: Host) -> None:
+    """Steady state is silent: no log line while a job beats and nothing happens (journald)."""
+    host.config([host.job_doc("a", "--ckpt-every", "100000")])
+    d = host.daemon()
+    started(host, d, "a")
+    time.sleep(1)  # the start's own lines are written
+    before = d.output()
+    s = started(host, d, "a", min_step=host.step("a") + 20)  # 2 s and more of beating
+    new = d.output()[len(before):]
+    assert new == "", new[-2000:]
+    assert s["state"] == "running" and host.incidents() == []
+

@@ -205,12 +205,12 @@ def _mounted_run(ws: Workspace, mount: str, job_cmd: str) -> tuple[int, str]:
 
 
 def test_full_log_folder_loses_output_but_not_supervision(ws: Workspace) -> None:
-    """With the log folder on a full 256 KB tmpfs, the job is relaunched until its budget ends."""
+    """With the log folder on a full 256 KB tmpfs, the job is relaunched until its budget ends
+    (the job writes its log itself: ENOSPC is its own write's, and trainwatch goes on)."""
     rc, out = _mounted_run(ws, 'mount -t tmpfs -o size=256k tw-full "$0"',
                            "head -c 400000 /dev/zero; echo; exit 3")
     assert rc == 1, out  # fatal after its restarts: supervised to the end, no exit 2
     assert "Traceback" not in out
-    assert "cannot write" in out and "No space left" in out
     assert [i["attempt"] for i in ws.incidents()] == [0, 1, 2]
 
 

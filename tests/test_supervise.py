@@ -371,18 +371,26 @@ def test_demo_recovers_from_a_crash_and_a_hang() -> None:
 
 
 def test_daemon_supervises_every_job_of_its_config(ws: Workspace) -> None:
-    """`trainwatch daemon` runs each configured job under the same loop; one crash, both finish."""
+    """`trainwatch daemon` runs each configured job under the same loop; one crash, both finish,
+    and the daemon stays up (listing them) until SIGTERM."""
     import yaml
 
     cfg = ws.config({"command": ws.worker("--steps", "20", "--crash-at", "15")})
     doc = yaml.safe_load(cfg.read_text())
     doc["jobs"].append({"name": "other", "command": ["sh", "-c", "sleep 0.5"]})
     cfg.write_text(yaml.safe_dump(doc))
-    p = subprocess.run([sys.executable, "-m", "trainwatch.cli", "daemon", "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=60, check=False)
-    assert p.returncode == 0, p.stderr
+    p = subprocess.Popen([sys.executable, "-m", "trainwatch.cli", "daemon", "--config", str(cfg)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: ws.status().get("state") == "exited"
+                 and ws.status("other").get("state") == "exited", 60, "both jobs to finish")
+        assert p.poll() is None  # the daemon does not exit when its jobs end
+    finally:
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=30)
+    assert p.returncode == 0, err
     assert [i["job"] for i in ws.incidents()] == ["job"]
-    assert "job other: stopping -> exited" in p.stderr
+    assert "job other: stopping -> exited" in err
 
 
 def test_dropped_datagrams_are_counted_in_the_published_status(ws: Workspace) -> None:
