@@ -104,6 +104,7 @@ class Host:
         self.daemon: subprocess.Popen[bytes] | None = None
         self.n = 0
         self.seen: set[tuple[int, int]] = set()
+        self.cgroups: set[str] = set()  # every attempt's, removed at the end when empty
         self.write_config()
 
     def write_config(self) -> None:
@@ -208,6 +209,8 @@ class Host:
     def status(self, job: str) -> dict[str, Any]:
         s = self._json(job, "status.json")
         self.remember(s.get("pid"))
+        if isinstance(s.get("cgroup"), str):
+            self.cgroups.add(s["cgroup"])
         return s
 
     def keepers(self) -> list[int]:
@@ -218,6 +221,8 @@ class Host:
                 out.append(int(launched["keeper"]))
                 self.remember(launched["keeper"])
                 self.remember(launched.get("pid"))
+                if isinstance(launched.get("cgroup_path"), str):
+                    self.cgroups.add(launched["cgroup_path"])
         return out
 
     def remember(self, pid: object) -> None:
@@ -262,11 +267,35 @@ class Host:
                 with contextlib.suppress(ValueError, OSError):
                     if str(self.d).encode() in Path(f"/proc/{f.name}/cmdline").read_bytes():
                         self.remember(int(f.name))
+        killed = []
         for pid, t in sorted(self.seen):
             if start_time(pid) == t:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
         self.seen.clear()
+        deadline = time.monotonic() + 10
+        while any(start_time(p) is not None for p in killed) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.remove_cgroups()
+
+    def remove_cgroups(self) -> None:
+        """The attempts' cgroups, empty now, that no daemon is left to remove."""
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1] for line in f if line.split()[2:3] == ["cgroup2"]]
+        for cg in sorted(self.cgroups):
+            if not any(cg.startswith(m + "/") for m in mounts):
+                continue
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                try:
+                    if Path(cg, "cgroup.procs").read_text().strip():
+                        time.sleep(0.02)
+                        continue
+                    os.rmdir(cg)
+                except OSError:
+                    pass
+                break
 
     def close(self) -> None:
         self.kill()

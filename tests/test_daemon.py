@@ -54,6 +54,11 @@ def proc_state(pid: int) -> str:
     return "?"
 
 
+def cgroup2_mounts() -> list[str]:
+    with open("/proc/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[2:3] == ["cgroup2"]]
+
+
 def cgroup_empty(cg: str) -> bool:
     return not Path(cg, "cgroup.procs").read_text().strip()
 
@@ -108,6 +113,7 @@ class Host:
         self.strangers: list[subprocess.Popen[bytes]] = []
         # (pid, start time) of every job process and keeper seen: killed at the end.
         self.seen: set[tuple[int, int]] = set()
+        self.cgroups: set[str] = set()  # every attempt's, removed at the end when empty
 
     def job_dir(self, job: str) -> Path:
         return self.root / job
@@ -175,6 +181,7 @@ class Host:
     def status(self, job: str) -> dict[str, Any]:
         s = self._json(job, "status.json")
         self._remember(s.get("pid"))
+        self._cgroup(s.get("cgroup"))
         return s
 
     def runtime(self, job: str) -> dict[str, Any]:
@@ -183,7 +190,12 @@ class Host:
         if isinstance(launched, dict):
             self._remember(launched.get("pid"))
             self._remember(launched.get("keeper"))
+            self._cgroup(launched.get("cgroup_path"))
         return rt
+
+    def _cgroup(self, path: object) -> None:
+        if isinstance(path, str) and os.path.isabs(path):
+            self.cgroups.add(path)
 
     def _remember(self, pid: object) -> None:
         if isinstance(pid, int) and pid > 0 and pid not in {p.pid for p in self.strangers}:
@@ -266,21 +278,13 @@ class Host:
 
     def _remove_cgroups(self) -> None:
         """The attempts' cgroups, empty now, that no daemon is left to remove."""
-        jobs = self.state / "jobs"
-        if not jobs.is_dir():
-            return
-        for j in jobs.iterdir():
-            launched = self.runtime(j.name).get("launched")
-            places = [self.status(j.name).get("cgroup")]
-            if isinstance(launched, dict):
-                places += [launched.get("cgroup"), launched.get("cgroup_path")]
-            for cg in places:
-                if not (isinstance(cg, str) and os.path.isabs(cg) and os.path.isdir(cg)):
-                    continue
-                with contextlib.suppress(AssertionError, OSError):
-                    wait_for(functools.partial(cgroup_empty, cg), timeout=5,
-                             what="the cgroup to empty")
-                    os.rmdir(cg)
+        for cg in sorted(self.cgroups):
+            if not os.path.isdir(cg) or not any(cg.startswith(m + "/") for m in cgroup2_mounts()):
+                continue
+            with contextlib.suppress(AssertionError, OSError):
+                wait_for(functools.partial(cgroup_empty, cg), timeout=5,
+                         what="the cgroup to empty")
+                os.rmdir(cg)
 
 
 @pytest.fixture
@@ -332,6 +336,7 @@ def test_a_job_outlives_a_sigkilled_daemon_and_is_adopted_by_the_next(host: Host
     pid, attempt, log = s["pid"], s["attempt"], Path(s["log"])
     assert log.parent == host.state / "jobs" / "a" / "logs", log
     assert log.name.startswith(f"attempt-{attempt}-"), log
+    assert f"stderr too, pid={pid}" in log.read_text()
     sigkill(d1)
     assert alive(pid)
     log_grows(log)  # straight to the file: the daemon is not in the way
@@ -362,6 +367,7 @@ def test_a_job_outlives_a_sigkilled_daemon_and_is_adopted_by_the_next(host: Host
     wait_for(lambda: f"--resume-from {ckpt}" in relaunched.read_text(), timeout=10,
              what="the relaunch's resume argument in its log")
     assert f"attempt={attempt + 1} step={newest}" in relaunched.read_text()
+    assert s.get("resumed_from") == str(ckpt), s
     assert d2.alive()
 
 
@@ -454,6 +460,30 @@ def test_a_recycled_pid_is_never_adopted_or_signalled(host: Host) -> None:
                    for t in host.transitions()), host.transitions()
 
 
+def test_the_restart_budget_carries_over_a_daemon_restart(host: Host) -> None:
+    """A crash loop spends one budget across two daemons: 3 restarts in all, then fatal."""
+    doc = host.job_doc("a")
+    doc["command"] = ["sh", "-c", "sleep 0.3; exit 1"]
+    host.config([doc])
+    raw = yaml.safe_load(host.path.read_text())
+    raw["policies"]["default"].update(max_restarts=3, backoff={"initial": "1s", "factor": 1,
+                                                                 "jitter": 0})
+    host.path.write_text(yaml.safe_dump(raw))
+    d1 = host.daemon()
+    wait_for(lambda: len(host.incidents()) >= 2, timeout=60, what="two crashes")
+    sigkill(d1)
+    host.runtime("a")
+    d2 = host.daemon()
+    wait_for(lambda: host.status("a").get("state") == "fatal", timeout=60,
+             what=f"fatal; incidents {host.incidents()}; {d2.output()[-2000:]}")
+    incs = host.incidents()
+    assert [i["kind"] for i in incs] == ["crash"] * 4, ([(i["attempt"], i["decision"])
+                                                        for i in incs], d2.output()[-3000:])
+    assert [i["attempt"] for i in incs] == [0, 1, 2, 3], incs
+    assert "budget" in incs[-1]["decision"], incs[-1]
+    assert d2.alive()
+
+
 def test_sighup_with_a_bad_config_keeps_the_old_one(host: Host) -> None:
     """A bad config on SIGHUP is one line naming the file; the daemon and job go on."""
     host.config([host.job_doc("a")])
@@ -492,6 +522,38 @@ def test_sighup_adds_a_new_job_and_leaves_an_unchanged_one_alone(host: Host) -> 
     assert "signal" not in Path(s["log"]).read_text()
     assert host.incidents() == []
     assert d.alive()
+
+
+def test_sighup_changes_a_job_at_its_next_launch_and_leaves_a_removed_one_running(
+        host: Host) -> None:
+    """A changed job keeps running until its next launch takes the change; a removed job runs on."""
+    host.config([host.job_doc("a"), host.job_doc("b")])
+    d = host.daemon()
+    sa = started(host, d, "a")
+    sb = started(host, d, "b")
+    host.config([host.job_doc("a", "--ckpt-every", "7")])
+    d.signal(signal.SIGHUP)
+    wait_for(lambda: "reload" in d.output().lower(), timeout=20, what="the reload")
+    time.sleep(0.5)
+    assert started(host, d, "a", min_step=host.step("a") + 3)["pid"] == sa["pid"]
+    assert alive(sb["pid"])
+    log_grows(Path(sb["log"]))
+    for s in (sa, sb):
+        assert "signal" not in Path(s["log"]).read_text()
+    host.trigger("a", "exit_code", "3")
+    s = started(host, d, "a", min_step=0, attempt=sa["attempt"] + 1)
+    wait_for(lambda: "--ckpt-every 7" in Path(s["log"]).read_text(), timeout=10,
+             what="the changed command in the relaunch's log")
+    # Back in the config, the job still running is taken back, not started twice.
+    host.config([host.job_doc("a", "--ckpt-every", "7"), host.job_doc("b")])
+    hup = time.time()
+    d.signal(signal.SIGHUP)
+    wait_for(lambda: [t for t in host.transitions() if t["job"] == "b" and t["time"] >= hup
+                      and "adopt" in t["reason"]], timeout=30, what="job b taken back")
+    s = started(host, d, "b", min_step=host.step("b") + 3)
+    assert s["pid"] == sb["pid"], s
+    assert sorted(int(p.name) for p in (host.job_dir("b") / "pids").iterdir()) == [sb["pid"]]
+    assert [i["job"] for i in host.incidents()] == ["a"]
 
 
 @pytest.fixture
@@ -571,7 +633,7 @@ def test_a_daemon_whose_jobs_just_run_writes_no_log_lines(host: Host) -> None:
     time.sleep(1)  # the start's own lines are written
     before = d.output()
     s = started(host, d, "a", min_step=host.step("a") + 20)  # 2 s and more of beating
-    new = d.output()[len(before):]
-    assert new == "", new[-2000:]
+    new = d.output()[len(before):].splitlines()
+    assert new == [], new[:4]
     assert s["state"] == "running" and host.incidents() == []
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 _LIVE = (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
+_RELAUNCHING = ("restart", "rollback", "restart_exclude_gpu")
 
 
 def adopt_or_start(r: JobRunner) -> None:
@@ -71,12 +72,37 @@ def adopt_or_start(r: JobRunner) -> None:
                          float(stop.get("delay", 0.0)))
             return
         r.to(JobState.RUNNING, f"adopted: attempt {a.number}, pid {a.pid}")
+        done = _recorded(r, a.number)
+        if done is not None and a.poll_exit() is not None:
+            # Its predecessor recorded this exit's incident and died before it saved
+            # the stop: carry that out, do not record (and count) the fault twice.
+            r.pending_incident = done
+            r.mark_exit_handled(a.number)
+            r.begin_stop(JobState.BACKOFF, f"adopted: incident {done} already recorded")
+            return
         r.check_exit()  # it may have ended while no daemon watched
     elif state is JobState.BACKOFF:
         r.relaunch_at = now + max(0.0, (rt.relaunch_at or wall) - wall)
         r.to(JobState.BACKOFF, f"adopted: relaunch in {r.relaunch_at - now:.2f}s")
     else:
         r.to(state, "adopted: ended before this daemon started")
+
+
+def _recorded(r: JobRunner, attempt: int) -> int | None:
+    """The id of an incident already recorded for this attempt, if any; the
+    restart it granted is put back into the budget if the state file missed it."""
+    # Only an incident that stopped the attempt: an alert left it running.
+    rows = [i for i in r.ledger.incidents(r.job.name) if i["attempt"] == attempt
+            and i["action"] != "alert" and not i["observe_only"]]
+    if not rows:
+        return None
+    row = rows[-1]
+    at = r.clock() - max(0.0, time.time() - float(row["time"]))
+    if row["action"] in _RELAUNCHING and not any(abs(t - at) < 2.0
+                                                 for t in r.history.restarts):
+        r.history.restarts.append(at)
+        r.history.consecutive += 1
+    return int(row["id"])
 
 
 def _adopt_attempt(r: JobRunner, rt: runtime.Runtime) -> bool:

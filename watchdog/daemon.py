@@ -29,6 +29,8 @@ from trainwatch.supervisor import Supervisor
 from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")
+# APScheduler logs every run of every task at INFO: two lines a second, forever.
+logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 _STATUS_EVERY = 5.0  # seconds between STATUS= lines
 _CATALOG_EVERY = 10.0  # checkpoint scans

@@ -336,6 +336,9 @@ class JobRunner:
         self.check_exit()
         self._unregister(fd)
 
+    def mark_exit_handled(self, attempt: int) -> None:
+        self._exit_handled = attempt
+
     def check_exit(self) -> None:
         a = self.attempt
         if a is None or self._exit_handled == a.number:

@@ -63,6 +63,7 @@ def main() -> int:
     attempt = os.environ.get("TRAINWATCH_ATTEMPT")
     print(f"start pid={os.getpid()} attempt={attempt} step={start} resume={resume}"
           f" argv={' '.join(sys.argv[1:])}", flush=True)
+    print(f"stderr too, pid={os.getpid()}", file=sys.stderr, flush=True)
 
     rank = 0
     leader = os.getpid()
