@@ -8,12 +8,14 @@ import contextlib
 import json
 import os
 import pwd
+import selectors
 import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -288,3 +290,30 @@ def user_python() -> Iterator[UserPython]:
         missing(f"no {version} that another user may run with trainwatch's copy in {site}")
     finally:
         shutil.rmtree(site, ignore_errors=True)
+
+
+class ServedControl:
+    """A control socket answered by a selector loop in a thread, as the daemon's is."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self._r, self._w = os.pipe()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.sock, selectors.EVENT_READ)
+            sel.register(self._r, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    if key.fileobj == self._r:
+                        return
+                self.sock.handle()
+
+    def stop(self) -> None:
+        os.write(self._w, b"x")
+        self._thread.join(timeout=10)
+        self.sock.close()
+        os.close(self._r)
+        os.close(self._w)

@@ -15,19 +15,17 @@ from __future__ import annotations
 import grp
 import json
 import os
-import selectors
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import UserPython, Workspace, local_user
+from conftest import ServedControl, UserPython, Workspace, local_user
 from trainwatch.commands import render_incidents
 from trainwatch.control import ControlSocket, control_path
 from trainwatch.state.ledger import Ledger
@@ -37,17 +35,14 @@ NO_GROUP = "tw-no-such-group"  # a socket group nobody is in: root and the daemo
 Reply = dict[str, Any] | Exception
 
 
-class Daemon:
+class Daemon(ServedControl):
     """A ControlSocket answered by a selector loop in a thread, with canned
     replies per op (an Exception is raised, as a daemon's refusal is)."""
 
     def __init__(self, run_dir: str, replies: dict[str, Reply], group: str = NO_GROUP) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.replies = replies
-        self.sock = ControlSocket(run_dir, self._handle, group=group)
-        self._r, self._w = os.pipe()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        super().__init__(ControlSocket(run_dir, self._handle, group=group))
 
     def _handle(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         self.calls.append((op, args))
@@ -56,22 +51,6 @@ class Daemon:
             raise reply
         return reply
 
-    def _loop(self) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.sock, selectors.EVENT_READ)
-            sel.register(self._r, selectors.EVENT_READ)
-            while True:
-                for key, _ in sel.select():
-                    if key.fileobj == self._r:
-                        return
-                self.sock.handle()
-
-    def stop(self) -> None:
-        os.write(self._w, b"x")
-        self._thread.join(timeout=10)
-        self.sock.close()
-        os.close(self._r)
-        os.close(self._w)
 
 
 @pytest.fixture

@@ -16,13 +16,12 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace, missing, need_root
+from conftest import ServedControl, Workspace, missing, need_root
 from trainwatch.control import (
     MAX_REQUEST,
     ControlError,
@@ -60,32 +59,13 @@ def _recorder(calls: Calls) -> Callable[[str, dict[str, Any]], dict[str, Any]]:
     return handler
 
 
-class Served:
+class Served(ServedControl):
     """A ControlSocket answered by a selector loop in a thread, as the daemon would."""
 
     def __init__(self, run_dir: str, group: str = "trainwatch") -> None:
         self.calls: Calls = []
-        self.sock = ControlSocket(run_dir, _recorder(self.calls), group=group)
-        self._r, self._w = os.pipe()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
+        super().__init__(ControlSocket(run_dir, _recorder(self.calls), group=group))
 
-    def _loop(self) -> None:
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.sock, selectors.EVENT_READ)
-            sel.register(self._r, selectors.EVENT_READ)
-            while True:
-                for key, _ in sel.select():
-                    if key.fileobj == self._r:
-                        return
-                self.sock.handle()
-
-    def stop(self) -> None:
-        os.write(self._w, b"x")
-        self._thread.join(timeout=10)
-        self.sock.close()
-        os.close(self._r)
-        os.close(self._w)
 
 
 @pytest.fixture
