@@ -335,6 +335,9 @@ class JobRunner:
         # readable once the process has exited) and the exit is handled next round.
         self.check_exit()
         self._unregister(fd)
+        a = self.attempt
+        if a is not None and a.pidfd == fd:
+            a.exit_seen()
 
     def mark_exit_handled(self, attempt: int) -> None:
         self._exit_handled = attempt

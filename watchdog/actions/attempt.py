@@ -148,11 +148,14 @@ class Attempt:
             "groups": list(ident.groups) if drop and ident else None,
             "umask": umask,
             "cgroup_procs": os.path.join(cgroup.path, "cgroup.procs") if cgroup else None,
-            "pdeathsig": die_with_parent, "exit": str(log_dir.parent / f"attempt-{number}.exit"),
+            # In run_dir (tmpfs, kept across restarts): a full or read-only state_dir
+            # must not cost the exit status.
+            "pdeathsig": die_with_parent,
+            "exit": os.path.join(os.path.dirname(socket), f"{job.name}.attempt-{number}.exit"),
             "job": job.name, "attempt": number,
         }
         try:
-            self.rec, self.pidfd = kept.launch(spec, log_fd)
+            self.rec, self.keeper_fd = kept.launch(spec, log_fd)
         except BaseException:
             if cgroup is not None:
                 cgroup.close()
@@ -180,7 +183,7 @@ class Attempt:
         """The attempt a trainwatch before us launched, found running (or ended) again."""
         self = cls.__new__(cls)
         self._common(job, number, resume_from, resumed_step, gpus)
-        self.rec, self.pidfd = rec, pidfd
+        self.rec, self.keeper_fd = rec, pidfd
         self.log_path = Path(log_path) if log_path else Path(os.devnull)
         self.started_wall = started_wall
         self.started = time.monotonic() - max(0.0, time.time() - started_wall)
@@ -206,6 +209,10 @@ class Attempt:
 
     def _attach(self, cgroup: AttemptCgroup | None, passthrough: bool) -> None:
         self.pid = self.rec.pid
+        # What wakes us at the exit: the keeper's pidfd where it exits right after
+        # recording it (with a cgroup); without one the keeper holds the leader's
+        # zombie (keeper.py) and the leader's own pidfd is readable at its exit.
+        self.pidfd: int | None = self.keeper_fd if self.rec.cgroup else kept.leader_pidfd(self.rec)
         self.cgroup = cgroup
         self.tree = JobTree(self.job.name, self.pid, cgroup,
                             leader_start=kept.ticks(self.rec.leader_start))
@@ -297,10 +304,8 @@ class Attempt:
             return
         if self.follower is not None:
             self.follower.close()
-        kept.reap(self.rec, self.pidfd)
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
+        kept.reap(self.rec, self.keeper_fd)
+        self._close_fds()
         self.closed = True
         if not self.tree.close() and self.cgroup is not None:
             log.warning("job %s: cgroup %s still holds processes; left in place",
@@ -313,10 +318,22 @@ class Attempt:
         """Leave the attempt running without us (the daemon stops; the next adopts it)."""
         if self.follower is not None:
             self.follower.close()
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
+        self._close_fds()
         self.closed = True
+
+    def _close_fds(self) -> None:
+        for fd in {self.pidfd, self.keeper_fd} - {None}:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # type: ignore[arg-type]
+        self.pidfd = self.keeper_fd = None
+
+    def exit_seen(self) -> None:
+        """The pidfd was readable but the keeper's record is not there yet: poll
+        for it from now on (the tick does, while pidfd is None)."""
+        if self.returncode is None and self.pidfd is not None:
+            if self.pidfd != self.keeper_fd:
+                os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _watch(script: str, target: str) -> tuple[int, int, int | None] | None:

@@ -158,6 +158,7 @@ def _check(spec: object) -> str | None:
         "uid": (int, type(None)), "gid": (int, type(None)), "groups": (list, type(None)),
         "umask": (int,), "cgroup_procs": (str, type(None)), "pdeathsig": (bool,),
         "exit": (str,), "job": (str,), "attempt": (int,), "parent": (int, type(None)),
+        "cwd_inherited": (bool, type(None)),
     }
     for key, types in want.items():
         if key not in spec and type(None) in types:
@@ -193,6 +194,7 @@ class _Plan:
         self.argv, self.env, self.cwd, self.umask = argv, env, cwd, umask
         self.uid, self.gid, self.groups = uid, gid, groups
         self.procs, self.keeper, self.prctl = procs, keeper, prctl
+        self.cwd_inherited = False  # cwd is the daemon's folder, not the job's workdir
         # Where to look for the program: the job's PATH, as subprocess and
         # os.execvpe do, computed here because the child may import nothing
         # (execvpe does: the job's user may not even be able to read our stdlib).
@@ -231,6 +233,11 @@ def _child(plan: _Plan, w: int) -> None:
                 os.write(plan.procs, b"0")  # "0": the writing process itself
             except OSError as e:
                 os.write(w, b"cgroup %d\n" % (e.errno or 0))  # not fatal: runs without
+        stage = "cwd"
+        if plan.cwd is not None and plan.cwd_inherited:
+            # The daemon's own folder, not the job's workdir: entered as the daemon
+            # was (a Popen without cwd= never entered it as the job's user either).
+            os.chdir(plan.cwd)
         stage = "setgroups"
         if plan.groups is not None:
             os.setgroups(plan.groups)
@@ -248,7 +255,7 @@ def _child(plan: _Plan, w: int) -> None:
         if plan.umask >= 0:
             os.umask(plan.umask)
         stage = "cwd"
-        if plan.cwd is not None:
+        if plan.cwd is not None and not plan.cwd_inherited:
             os.chdir(plan.cwd)
         for sig in (*_IGNORED, _signal.SIGXFSZ):  # an ignored signal stays ignored across exec
             _signal.signal(sig, _signal.SIG_DFL)
@@ -333,6 +340,7 @@ def main() -> int:
             _say(f"cannot join cgroup {spec['cgroup_procs']}: {e.strerror}; running without")
     plan = _Plan(spec["argv"], spec["env"], spec.get("cwd"), spec.get("uid"), spec.get("gid"),
                  spec.get("groups"), spec["umask"], procs, me, prctl)
+    plan.cwd_inherited = bool(spec.get("cwd_inherited"))
     r, w = os.pipe()  # close-on-exec: end of file without a line means exec'd
     pid = os.fork()
     if pid == 0:
@@ -375,10 +383,40 @@ def main() -> int:
             "boot_id": boot_id(), "job": spec["job"], "attempt": spec["attempt"]}))
     except OSError as e:
         _say(f"cannot write the start file: {e.strerror or e}")
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)  # negative: killed by that signal
-    return _exit_file(spec, {"pid": pid, "keeper": me, "returncode": code,
-                             "exited_at": time.time()})
+    # WNOWAIT: the status is recorded at once, but without a cgroup the zombie is
+    # held until no process of its session or group is left, so that their id (its
+    # pid) stays the job's and the daemon can still prove who is a member.
+    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    assert info is not None  # without WNOHANG it waits
+    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    rc = _exit_file(spec, {"pid": pid, "keeper": me, "returncode": code,
+                           "exited_at": time.time()})
+    if not cgroup:
+        _hold(pid)
+    os.waitpid(pid, 0)
+    return rc
+
+
+def _hold(leader: int) -> None:
+    """Until no live process has the leader's pid as its session or group id."""
+    while True:
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                fd = os.open(f"/proc/{name}/stat", os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    stat = os.read(fd, 1024)
+                finally:
+                    os.close(fd)
+            except OSError:
+                continue
+            f = stat[stat.rfind(b")") + 2:].split()
+            if len(f) > 3 and f[0] not in (b"Z", b"X") and leader in (int(f[2]), int(f[3])):
+                break
+        else:
+            return
+        time.sleep(0.5)
 
 
 def boot_id() -> str:

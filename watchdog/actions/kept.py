@@ -96,6 +96,7 @@ def launch(spec: dict[str, Any], log_fd: int | None,
     spec["exit"] = os.path.abspath(spec["exit"])
     if spec.get("cwd") is None:
         spec["cwd"] = os.getcwd()  # the keeper itself moves to /
+        spec["cwd_inherited"] = True
     if spec.get("pdeathsig"):
         spec["parent"] = os.getpid()
     data = json.dumps(spec).encode()
