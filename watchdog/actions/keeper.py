@@ -194,7 +194,9 @@ class _Plan:
         self.argv, self.env, self.cwd, self.umask = argv, env, cwd, umask
         self.uid, self.gid, self.groups = uid, gid, groups
         self.procs, self.keeper, self.prctl = procs, keeper, prctl
-        self.cwd_inherited = False  # cwd is the daemon's folder, not the job's workdir
+        # No workdir: the job keeps the folder it inherits from us at fork (the
+        # daemon's), never entered as the job's user (who may not be able to).
+        self.cwd_inherited = False
         # Where to look for the program: the job's PATH, as subprocess and
         # os.execvpe do, computed here because the child may import nothing
         # (execvpe does: the job's user may not even be able to read our stdlib).
@@ -233,11 +235,6 @@ def _child(plan: _Plan, w: int) -> None:
                 os.write(plan.procs, b"0")  # "0": the writing process itself
             except OSError as e:
                 os.write(w, b"cgroup %d\n" % (e.errno or 0))  # not fatal: runs without
-        stage = "cwd"
-        if plan.cwd is not None and plan.cwd_inherited:
-            # The daemon's own folder, not the job's workdir: entered as the daemon
-            # was (a Popen without cwd= never entered it as the job's user either).
-            os.chdir(plan.cwd)
         stage = "setgroups"
         if plan.groups is not None:
             os.setgroups(plan.groups)
