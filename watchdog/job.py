@@ -39,14 +39,12 @@ from trainwatch.export import status
 from trainwatch.export.goodput import Goodput
 from trainwatch.export.metrics import Events
 from trainwatch.gpuwatch import GpuWatch
+from trainwatch.intake import Intake
 from trainwatch.policy import RestartHistory, XidHistory
-from trainwatch.sources.beatpoll import BeatPoller
-from trainwatch.sources.heartbeat import HeartbeatSocket
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime
 from trainwatch.state.catalog import Catalog, Summary
 from trainwatch.state.ledger import Ledger
-from trainwatch.state.runtime import Runtime
 from trainwatch.types import (
     TRANSITIONS,
     Beat,
@@ -126,14 +124,14 @@ class JobRunner:
         self.published_at = 0.0
         self.socket_path = socket_path(config.run_dir, job.name)
         ident = credentials.resolve(job.user, job.group)
-        # Only the job's user (and root) may reach its socket at all.
-        self.socket = HeartbeatSocket(self.socket_path, self._believe, clock,
-                                      owner=(ident.uid, ident.gid) if ident else None)
+        self.intake = Intake(job.name, self.socket_path, selector, self._believe, clock,
+                             (ident.uid, ident.gid) if ident else None,
+                             self._on_beat, self._on_report)
+        self.socket = self.intake.socket
         # For the exporter: the catalog's summary, and the time faults cost.
         self.checkpoints = Summary()
         self.checkpoints_at = 0.0
         self.outages = Goodput()
-        self.poller = BeatPoller(self.socket, selector, self._drain, clock)
 
     # --- state ---------------------------------------------------------------
 
@@ -150,41 +148,16 @@ class JobRunner:
         log.info(
             "job %s: %s -> %s: %s", self.job.name, old.value if old else "-", new.value, reason
         )
-        self._save()
+        self.save()
         self.publish()
 
     def publish(self) -> None:
         self.published_step, self.published_at = self.last_step, self.clock()
         status.publish(self.config.state_dir, self.job.name, status.of(self))
 
-    def _save(self) -> None:
+    def save(self) -> None:
         """The runtime state, for a restarted daemon (state/runtime.py)."""
-        now, wall = self.clock(), time.time()
-        a, s = self.attempt, self.stopping
-        live = a is not None and not a.closed
-        runtime.save(self.dir, Runtime(
-            job=self.job.name,
-            state=self.state.value if self.state else None,
-            attempt=self.number,
-            launched={**dataclasses.asdict(a.rec), "log": str(a.log_path),
-                      "cgroup_path": a.cgroup.path if a.cgroup else None}
-            if live and a is not None else None,
-            resume_from=a.resume_from if a else None,
-            resumed_step=a.resumed_step if a else None,
-            gpus=a.gpus if a else None,
-            started_at=a.started_wall if a else None,
-            restarts=self.history.to_json(now, wall),
-            relaunch_at=wall + (self.relaunch_at - now)
-            if self.state is JobState.BACKOFF else None,
-            pending_incident=self.pending_incident,
-            stop={"outcome": s.outcome.value, "reason": s.reason, "delay": s.delay}
-            if s is not None else None,
-            last_step=self.last_step,
-            ever_beaten=self.ever_beaten,
-            xids=[(g, wall - (now - t)) for g, t in self.xids_seen],
-            paused=self.paused,
-            restart_count=self.restarts,
-        ), wall)
+        runtime.save(self.dir, runtime.of(self), time.time())
 
     @property
     def ranks_over_cap(self) -> int:
@@ -210,47 +183,12 @@ class JobRunner:
         """The daemon's start: take back what a daemon before us left running (adopt.py)."""
         adopt.adopt_or_start(self)
 
-    # --- the operator --------------------------------------------------------
+    # --- the operator (operations.py) ----------------------------------------
 
     @property
     def observing(self) -> bool:
         """Faults are recorded, not acted on: observe_only, or paused by the operator."""
         return self.config.observe_only or self.paused
-
-    def pause(self, paused: bool) -> None:
-        if paused != self.paused:
-            self.paused = paused
-            log.warning("job %s: %s by the operator", self.job.name,
-                        "paused (watching, not acting)" if paused else "resumed")
-            self._save()
-            self.publish()
-
-    def operator_start(self) -> None:
-        """Start a job that ended (stopped, finished, given up), with a fresh budget."""
-        if self.state not in (JobState.EXITED, JobState.FATAL, JobState.PAUSED, None):
-            raise ValueError(f"job {self.job.name} is {self.state.value}: stop it first")
-        self.history = RestartHistory()
-        launch(self, "operator: trainwatch start")
-
-    def rollback(self, step: int) -> str:
-        """Relaunch from the good checkpoint of ``step``; newer ones are quarantined
-        (kept on disk, never used), so that no later relaunch goes past it."""
-        entry = next((e for e in self.catalog.entries() if e.step == step), None)
-        if entry is None or not entry.good:
-            have = [e.step for e in self.catalog.entries() if e.good]
-            raise ValueError(f"no good checkpoint at step {step} (good: {have or 'none'})")
-        self.catalog.quarantine_after(step, f"operator rollback to step {step}")
-        why = f"operator: rollback to step {step}"
-        if self.state in (JobState.STARTING, JobState.RUNNING):
-            self.begin_stop(JobState.BACKOFF, why)
-        elif self.state is JobState.BACKOFF:
-            self.relaunch_at = self.clock()
-        elif self.state is JobState.STOPPING and self.stopping is not None:
-            self.stopping.outcome, self.stopping.delay = JobState.BACKOFF, 0.0
-        else:
-            self.history = RestartHistory()
-            launch(self, why)
-        return entry.path
 
     def reconfigure(self, config: Config, job: Job) -> None:
         """A reload changed the job: the change applies from its next launch."""
@@ -277,30 +215,15 @@ class JobRunner:
         a = self.attempt
         return a is not None and a.tree.owns(pid, uid)
 
-    def _drain(self) -> int:
-        """Read and act on everything queued on the socket; how many datagrams."""
-        c = self.socket.counters
-        before = (c.malformed, c.oversized, c.foreign)
-        observations = self.socket.drain()
-        for what, old, new in zip(("malformed", "oversized", "foreign"), before,
-                                  (c.malformed, c.oversized, c.foreign), strict=True):
-            if old == 0 and new > 0:  # the first of its kind; the rest are only counted
-                log.warning("job %s: dropped a %s datagram on %s", self.job.name, what,
-                            self.socket_path)
-        for obs in observations:
-            if isinstance(obs, Beat):
-                self._on_beat(obs)
-            elif isinstance(obs, CheckpointReport):
-                if not self.catalog.report(obs.step, obs.path):
-                    self.reports_refused += 1
-                    if self.reports_refused == 1:
-                        log.warning("job %s: refused a checkpoint report outside %s: %.200s",
-                                    self.job.name, self.job.checkpoints.dir, obs.path)
-                    continue
-                self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
-                log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step,
-                         obs.path)
-        return len(observations) + c.malformed + c.oversized + c.foreign - sum(before)
+    def _on_report(self, obs: CheckpointReport) -> None:
+        if not self.catalog.report(obs.step, obs.path):
+            self.reports_refused += 1
+            if self.reports_refused == 1:
+                log.warning("job %s: refused a checkpoint report outside %s: %.200s",
+                            self.job.name, self.job.checkpoints.dir, obs.path)
+            return
+        self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
+        log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step, obs.path)
 
     def _on_beat(self, b: Beat) -> None:
         if self.state not in (JobState.STARTING, JobState.RUNNING):
@@ -350,8 +273,8 @@ class JobRunner:
         if rc is None:
             return
         if self.state is not JobState.STARTING and self.state is not JobState.RUNNING:
-            return  # we are stopping it; _progress_stop finishes the job
-        self._drain()  # its last beats, still queued, count towards the steps it reached
+            return  # we are stopping it; actions/stop.py finishes the job
+        self.intake.drain()  # its last beats, still queued, count towards the steps it reached
         at = a.exited_at if a.exited_at is not None else self.clock()
         faults = run_detectors("exit", self._view(self.clock(), exit=ProcessExit(a.pid, rc, at)))
         fault = faults[0] if faults else None
@@ -370,7 +293,7 @@ class JobRunner:
         self.checkpoints_at = self.clock() + _CATALOG_EVERY
 
     def tick(self, now: float) -> None:
-        self.poller.tick(now)
+        self.intake.tick(now)
         self.catalog.flush()
         if now >= self.checkpoints_at:
             self.refresh_checkpoints()
@@ -395,7 +318,7 @@ class JobRunner:
                     # A beat may be queued while we poll: read it before judging; and
                     # which ranks' processes are stopped names the hung one among
                     # ranks that went quiet together (DDP's wait in the collective).
-                    self._drain()
+                    self.intake.drain()
                     stopped = stopped_ranks(self.ranks.pids())
                     faults = run_detectors("tick", self._view(now, stopped=stopped))
                 fault = faults[0] if faults else None
@@ -405,14 +328,14 @@ class JobRunner:
                             fault, evidence={**fault.evidence, "source": "drill"})
                     respond.handle(self, fault)
         elif self.state is JobState.STOPPING:
-            self._progress_stop(now)
+            stopping.advance(self, now)
         elif self.state is JobState.BACKOFF and now >= self.relaunch_at:
             launch(self, "relaunch")
 
     def next_wake(self, now: float) -> float:
         """The latest time the loop may sleep until."""
         wake = self._next_wake(now)
-        poll = self.poller.next_wake()
+        poll = self.intake.next_wake()
         return min(wake, poll) if poll is not None else wake
 
     def _next_wake(self, now: float) -> float:
@@ -458,36 +381,10 @@ class JobRunner:
 
     def stop(self, reason: str) -> None:
         """The operator asked: stop the job, do not relaunch."""
-        if self.state in (JobState.STARTING, JobState.RUNNING):
-            self.begin_stop(JobState.PAUSED, reason)
-        elif self.state is JobState.BACKOFF:
-            self.to(JobState.PAUSED, reason)
-        elif self.stopping is not None and self.stopping.outcome is JobState.BACKOFF:
-            self.stopping.outcome, self.stopping.reason = JobState.PAUSED, reason
+        stopping.request(self, reason)
 
     def begin_stop(self, outcome: JobState, reason: str, delay: float = 0.0) -> None:
-        now = self.clock()
-        self.stopping = stopping.Stop(outcome, reason, now + self.policy.kill_grace, delay)
-        self.to(JobState.STOPPING, reason)
-        stopping.begin(self.attempt, self.config.observe_only)
-        self._progress_stop(now)
-
-    def _progress_stop(self, now: float) -> None:
-        s, a = self.stopping, self.attempt
-        assert s is not None
-        if not stopping.progress(s, a, now, self.policy.kill_grace, self.config.observe_only,
-                                 self.job.name):
-            return
-        if a is not None:
-            if a.pidfd is not None:
-                self._unregister(a.pidfd)
-            a.close()
-        self.stopping = None
-        if s.outcome is JobState.BACKOFF:
-            self.relaunch_at = now + s.delay
-            self.to(JobState.BACKOFF, f"relaunch in {s.delay:.2f}s")
-        else:
-            self.to(s.outcome, s.reason)
+        stopping.start(self, outcome, reason, delay)
 
     def close(self, release: bool = False) -> None:
         """Release the socket. The attempt: left running for the next daemon to adopt
@@ -498,8 +395,7 @@ class JobRunner:
             a.release()
         elif a is not None and not self.done and not self.config.observe_only:
             a.tree.signal(signal.SIGKILL, a.tree.scan())
-        self.poller.close()
-        self.socket.close()
+        self.intake.close()
         self.catalog.flush(force=True)
 
     def goodput(self, now: float) -> float | None:

@@ -6,16 +6,23 @@ is the one line the client prints."""
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
 from trainwatch import __version__
+from trainwatch.actions import rollback
+from trainwatch.actions.launch import launch
+from trainwatch.policy import RestartHistory
+from trainwatch.types import JobState
 
 if TYPE_CHECKING:
     from trainwatch.job import JobRunner
     from trainwatch.supervisor import Supervisor
+
+log = logging.getLogger("trainwatch")
 
 OPS = frozenset({"status", "incidents", "checkpoints", "rollback", "pause", "resume", "stop",
                  "start", "reload"})
@@ -36,17 +43,35 @@ def answer(sup: Supervisor, op: str, args: dict[str, Any]) -> dict[str, Any]:
         step = args.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             raise ValueError(f"expected a step number, got {step!r}")
-        path = r.rollback(step)
+        path = rollback.to_step(r, step, f"operator: rollback to step {step}")
         return {"job": r.job.name, "checkpoint": path, "step": step}
     if op == "pause":
-        r.pause(True)
+        pause(r, True)
     elif op == "resume":
-        r.pause(False)
+        pause(r, False)
     elif op == "stop":
         r.stop("operator: trainwatch stop")
     elif op == "start":
-        r.operator_start()
+        start(r)
     return {"job": r.job.name, "state": r.state.value if r.state else None, "paused": r.paused}
+
+
+def pause(r: JobRunner, paused: bool) -> None:
+    """Keep watching the job, stop acting on its faults (or act again)."""
+    if paused != r.paused:
+        r.paused = paused
+        log.warning("job %s: %s by the operator", r.job.name,
+                    "paused (watching, not acting)" if paused else "resumed")
+        r.save()
+        r.publish()
+
+
+def start(r: JobRunner) -> None:
+    """Start a job that ended (stopped, finished, given up), with a fresh budget."""
+    if r.state not in (JobState.EXITED, JobState.FATAL, JobState.PAUSED, None):
+        raise ValueError(f"job {r.job.name} is {r.state.value}: stop it first")
+    r.history = RestartHistory()
+    launch(r, "operator: trainwatch start")
 
 
 def _runner(sup: Supervisor, args: dict[str, Any]) -> JobRunner:

@@ -7,9 +7,13 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from trainwatch.actions.attempt import Attempt
 from trainwatch.types import JobState
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 
@@ -21,6 +25,42 @@ class Stop:
     deadline: float  # SIGKILL from then
     delay: float = 0.0  # before a relaunch, when outcome is BACKOFF
     killed: bool = False
+
+
+def request(r: JobRunner, reason: str) -> None:
+    """The operator asked: stop the job, do not relaunch."""
+    if r.state in (JobState.STARTING, JobState.RUNNING):
+        start(r, JobState.PAUSED, reason)
+    elif r.state is JobState.BACKOFF:
+        r.to(JobState.PAUSED, reason)
+    elif r.stopping is not None and r.stopping.outcome is JobState.BACKOFF:
+        r.stopping.outcome, r.stopping.reason = JobState.PAUSED, reason
+
+
+def start(r: JobRunner, outcome: JobState, reason: str, delay: float = 0.0) -> None:
+    """STOPPING now; ``outcome`` (after ``delay``, for BACKOFF) once the tree is gone."""
+    now = r.clock()
+    r.stopping = Stop(outcome, reason, now + r.policy.kill_grace, delay)
+    r.to(JobState.STOPPING, reason)
+    begin(r.attempt, r.config.observe_only)
+    advance(r, now)
+
+
+def advance(r: JobRunner, now: float) -> None:
+    s, a = r.stopping, r.attempt
+    assert s is not None
+    if not progress(s, a, now, r.policy.kill_grace, r.config.observe_only, r.job.name):
+        return
+    if a is not None:
+        if a.pidfd is not None and a.pidfd in r.sel.get_map():
+            r.sel.unregister(a.pidfd)
+        a.close()
+    r.stopping = None
+    if s.outcome is JobState.BACKOFF:
+        r.relaunch_at = now + s.delay
+        r.to(JobState.BACKOFF, f"relaunch in {s.delay:.2f}s")
+    else:
+        r.to(s.outcome, s.reason)
 
 
 def begin(a: Attempt | None, observe_only: bool) -> None:

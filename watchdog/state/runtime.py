@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainwatch.state import atomic, statewrites
+from trainwatch.types import JobState
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
 
 VERSION = 1
 
@@ -41,6 +46,36 @@ class Runtime:
     restart_count: int = 0
     saved_at: float = 0.0
     v: int = VERSION
+
+
+def of(r: JobRunner) -> Runtime:
+    """What a restarted daemon needs of the runner ``r`` now (monotonic times
+    turned into wall-clock ones)."""
+    now, wall = r.clock(), time.time()
+    a, s = r.attempt, r.stopping
+    live = a is not None and not a.closed
+    return Runtime(
+        job=r.job.name,
+        state=r.state.value if r.state else None,
+        attempt=r.number,
+        launched={**dataclasses.asdict(a.rec), "log": str(a.log_path),
+                  "cgroup_path": a.cgroup.path if a.cgroup else None}
+        if live and a is not None else None,
+        resume_from=a.resume_from if a else None,
+        resumed_step=a.resumed_step if a else None,
+        gpus=a.gpus if a else None,
+        started_at=a.started_wall if a else None,
+        restarts=r.history.to_json(now, wall),
+        relaunch_at=wall + (r.relaunch_at - now) if r.state is JobState.BACKOFF else None,
+        pending_incident=r.pending_incident,
+        stop={"outcome": s.outcome.value, "reason": s.reason, "delay": s.delay}
+        if s is not None else None,
+        last_step=r.last_step,
+        ever_beaten=r.ever_beaten,
+        xids=[(g, wall - (now - t)) for g, t in r.xids_seen],
+        paused=r.paused,
+        restart_count=r.restarts,
+    )
 
 
 def path(job_dir: str | os.PathLike[str]) -> Path:
