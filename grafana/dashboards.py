@@ -404,6 +404,20 @@ def job() -> dm.Dashboard:
                 st("Checkpoints on disk by verdict", Q(by("instance, job, state", "sum", m(
                     "trainwatch_job_checkpoints", JOB)), f"{JOB_L} {{{{state}}}}", True), w=12),
             ]),
+            ("CPU and memory of the job", [
+                ts("CPU used (cores)", Q(by("instance, job", "sum", over(
+                    "rate", m("trainwatch_job_cpu_seconds_total", JOB))), JOB_L), w=9, lo=0,
+                   description="CPU seconds per second of the job's processes, from its "
+                               "attempt's cgroup; no data where the job runs without one."),
+                ts("Host memory", Q(m("trainwatch_job_resident_memory_bytes", JOB),
+                                    f"{JOB_L} resident (sum of RSS)"),
+                   Q(m("trainwatch_job_memory_usage_bytes", JOB), f"{JOB_L} cgroup"),
+                   Q(m("trainwatch_job_memory_peak_bytes", JOB), f"{JOB_L} cgroup peak"),
+                   unit="bytes", w=9, lo=0,
+                   description="The cgroup figures appear only where the memory controller "
+                               "is enabled for the job's cgroup."),
+                job_lost("OOM kills (time range)", "trainwatch_job_oom_kills_total", "short"),
+            ]),
             ("GPUs of the job", [
                 ts("GPU utilisation", Q(of_jobs(m("trainwatch_gpu_utilization_ratio", GPU)),
                                         GPU_L), unit="percentunit", lo=0, hi=1),

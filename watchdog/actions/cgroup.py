@@ -16,6 +16,7 @@ import contextlib
 import errno
 import os
 import time
+from dataclasses import dataclass
 
 _PROC = "/proc"
 _SWEEP_AFTER = 60.0  # seconds
@@ -115,8 +116,67 @@ def procs_below(path: str) -> set[int]:
     return out
 
 
+@dataclass(frozen=True)
+class Usage:
+    """One reading of an attempt cgroup's accounting. None: the kernel keeps no such
+    figure for it: the memory controller is not enabled for it (trainwatch enables
+    none; only a parent's cgroup.subtree_control could), or memory.peak (5.19+)."""
+
+    cpu_usec: int  # cpu.stat usage_usec: user + system of every member, living or gone
+    resident_bytes: int  # sum of the living members' RSS (a page shared is counted per process)
+    memory_bytes: int | None  # memory.current: what is charged to it, page cache included
+    memory_peak_bytes: int | None  # memory.peak: the most charged since it was created
+    oom_kills: int | None  # memory.events oom_kill: members killed by any OOM killer
+
+
+def _field(data: bytes | None, key: bytes) -> int | None:
+    """The value of ``key`` in a flat-keyed file ("key value" lines)."""
+    for line in (data or b"").split(b"\n"):
+        k, _, v = line.partition(b" ")
+        if k == key:
+            with contextlib.suppress(ValueError):
+                return int(v)
+            return None
+    return None
+
+
+def _number(data: bytes | None) -> int | None:
+    try:
+        return int(data) if data is not None else None
+    except ValueError:
+        return None
+
+
+def _resident(pids: set[int]) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for pid in pids:
+        fields = (read_small(f"{_PROC}/{pid}/statm") or b"").split()
+        if len(fields) > 1 and fields[1].isdigit():
+            total += int(fields[1]) * page
+    return total
+
+
+def read_usage(path: str) -> Usage | None:
+    """What the cgroup folder ``path`` has used; None once it is gone (never raises)."""
+    cpu = _field(read_small(os.path.join(path, "cpu.stat")), b"usage_usec")
+    if cpu is None:
+        return None
+    return Usage(
+        cpu_usec=cpu,
+        resident_bytes=_resident(procs_below(path)),
+        memory_bytes=_number(read_small(os.path.join(path, "memory.current"))),
+        memory_peak_bytes=_number(read_small(os.path.join(path, "memory.peak"))),
+        oom_kills=_field(read_small(os.path.join(path, "memory.events")), b"oom_kill"),
+    )
+
+
 class AttemptCgroup:
-    """One attempt's cgroup. ``procs_fd`` (write "0" to it) moves the writer in."""
+    """One attempt's cgroup. ``procs_fd`` (write "0" to it) moves the writer in.
+    ``final``: its last usage, read by ``close()`` just before removing it, so
+    that what the attempt used after the last scrape is not lost."""
+
+    final: Usage | None = None
 
     def __init__(self, mount: str, parent: str, name: str) -> None:
         self.rel = f"{parent.rstrip('/')}/{name}"  # as /proc/<pid>/cgroup names it
@@ -171,6 +231,10 @@ class AttemptCgroup:
         """Every live process in it and below (zombies are not listed)."""
         return procs_below(self.path)
 
+    def usage(self) -> Usage | None:
+        """What it has used so far; None once it is gone (then see ``final``)."""
+        return read_usage(self.path)
+
     def populated(self) -> bool:
         try:
             with open(os.path.join(self.path, "cgroup.events"), "rb") as f:
@@ -194,6 +258,7 @@ class AttemptCgroup:
         if self.procs_fd is not None:
             os.close(self.procs_fd)
             self.procs_fd = None
+        self.final = self.usage() or self.final  # before it vanishes (a repeat keeps it)
         for d, _, _ in sorted(os.walk(self.path), key=lambda w: -len(w[0])):
             try:
                 os.rmdir(d)

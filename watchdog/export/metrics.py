@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from trainwatch import __version__
 from trainwatch.detectors.gpu import CLOCK_EVENT_REASONS
+from trainwatch.export.jobusage import JobUsageCollector
 from trainwatch.export.metricsserver import MetricsServer
 from trainwatch.state import statewrites
 from trainwatch.state.gpuhealth import GpuState
@@ -384,6 +385,7 @@ class Exporter:
         self.events = Events(self.registry)
         self.registry.register(StateCollector(supervisor))
         self.registry.register(ServerCollector(self))
+        self.registry.register(JobUsageCollector(supervisor))
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
