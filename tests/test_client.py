@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import gc
+import json
 import math
 import os
 import socket
@@ -16,7 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import UserPython
 from trainwatch import client
+from trainwatch.sources import ring
 from trainwatch.sources.heartbeat import parse
 from trainwatch.types import Beat, CheckpointReport
 
@@ -108,6 +111,32 @@ def test_checkpoint_to_absent_daemon_returns_false_quickly(sock_path: Path) -> N
     assert hb.checkpoint(10, sock_path.parent / "step_10") is False
     assert time.monotonic() - t0 < _LOOSE_S
     hb.close()
+
+
+def test_a_checkpoint_report_the_daemon_missed_is_sent_by_a_later_beat(
+    sock_path: Path, ring_dir: Path
+) -> None:
+    """A report made while the daemon restarts (no socket) is not lost: once a
+    daemon listens again, the next beats deliver it, before any newer report."""
+    hb = client.connect(str(sock_path))
+    assert hb.checkpoint(40, sock_path.parent / "step_40") is False
+    assert hb.checkpoint(60, sock_path.parent / "step_60") is False
+    s = _listener(sock_path)
+    try:
+        deadline = time.monotonic() + 10
+        got: list[object] = []
+        step = 61
+        while len(got) < 2 and time.monotonic() < deadline:
+            hb.beat(step)  # into the ring: only the unsent reports use the socket
+            step += 1
+            time.sleep(0.02)
+            got += [o for o in (parse(d, pid=1, at=0.0) for d in _recv_all(s))
+                    if isinstance(o, CheckpointReport)]
+        assert [(o.step, o.path) for o in got] == [  # type: ignore[attr-defined]
+            (40, str(sock_path.parent / "step_40")), (60, str(sock_path.parent / "step_60"))]
+    finally:
+        s.close()
+        hb.close()
 
 
 def test_full_queue_drops_beats_without_blocking(sock_path: Path, listener: socket.socket) -> None:
@@ -236,6 +265,8 @@ def test_import_pulls_in_nothing_else() -> None:
     assert {m for m in modules if m.split(".")[0] == "trainwatch"} == {
         "trainwatch",
         "trainwatch.client",
+        "trainwatch.sources",  # an empty package __init__
+        "trainwatch.sources.ring",  # stdlib only: the client's ring writer
     }
     for heavy in ("yaml", "psutil", "numpy", "faultinject"):
         assert not any(m == heavy or m.startswith(heavy + ".") for m in modules), heavy
@@ -270,3 +301,163 @@ def test_beats_faster_than_100_hz_are_skipped_but_non_finite_ones_are_sent(
     assert len(received) <= elapsed / 0.005 + 2
     assert hb.skipped == 2000 - len(received) - hb.dropped
     hb.close()
+
+
+# --- heartbeat rings (TRAINWATCH_RING_DIR) ---------------------------------------
+
+
+@pytest.fixture
+def ring_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "rings"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv(ring.ENV, str(d))
+    return d
+
+
+def _ring_records(d: Path, rank: int = 0, pid: int | None = None) -> list[ring.Record]:
+    path = d / ring.file_name(rank, os.getpid() if pid is None else pid)
+    with ring.RingReader(str(path)) as r:
+        return r.read()
+
+
+def test_with_a_ring_dir_every_beat_reaches_the_ring_and_one_datagram_announces_it(
+    monkeypatch: pytest.MonkeyPatch, sock_path: Path, listener: socket.socket, ring_dir: Path
+) -> None:
+    """With TRAINWATCH_RING_DIR, 2000 back-to-back beats all land in the ring (no 5 ms skip)
+    and only the first goes out as a datagram."""
+    monkeypatch.setenv("TRAINWATCH_SOCKET", str(sock_path))
+    monkeypatch.setenv("RANK", "2")
+    hb = client.connect()
+    for step in range(2000):
+        hb.beat(step, loss=step * 2.0, grad_norm=None if step % 3 else 1.5)
+    got = _ring_records(ring_dir, rank=2)
+    assert [(x.step, x.loss, x.grad_norm) for x in got] == [
+        (s, s * 2.0, None if s % 3 else 1.5) for s in range(2000)
+    ]
+    assert {(x.rank, x.pid) for x in got} == {(2, os.getpid())}
+    steps = [parse(d, pid=1, at=0.0).step for d in _recv_all(listener)]
+    assert steps == [0]
+    assert (hb.skipped, hb.dropped) == (0, 0)
+    hb.close()
+
+
+def test_with_a_ring_a_non_finite_value_is_also_sent_at_once(
+    sock_path: Path, listener: socket.socket, ring_dir: Path
+) -> None:
+    """A NaN loss or infinite grad norm goes into the ring as such and out as a datagram at once."""
+    hb = client.connect(str(sock_path), rank=0)
+    for step in range(1, 101):
+        loss = math.nan if step == 50 else 1.0
+        hb.beat(step, loss=loss, grad_norm=math.inf if step == 70 else 1.0)
+    received = [parse(d, pid=1, at=0.0) for d in _recv_all(listener)]
+    assert [b.step for b in received] == [1, 50, 70]
+    assert isinstance(received[1], Beat) and received[1].loss is not None
+    assert math.isnan(received[1].loss)
+    got = {x.step: x for x in _ring_records(ring_dir)}
+    assert len(got) == 100
+    assert got[50].loss is not None and math.isnan(got[50].loss)
+    assert got[70].grad_norm == math.inf
+    hb.close()
+
+
+def test_a_forked_child_beats_into_its_own_ring_never_its_parents(
+    sock_path: Path, listener: socket.socket, ring_dir: Path
+) -> None:
+    """After fork (a DataLoader worker), the child's beats land in rank-<rank>-<child pid>, and the
+    parent's ring holds only the parent's steps."""
+    hb = client.connect(str(sock_path), rank=0)
+    hb.beat(1, loss=1.0)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        code = 1
+        try:
+            hb.beat(1000, loss=5.0)
+            hb.beat(1001, loss=5.0)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    hb.beat(2, loss=1.0)
+    assert [x.step for x in _ring_records(ring_dir)] == [1, 2]
+    child = _ring_records(ring_dir, pid=pid)
+    assert [(x.step, x.pid) for x in child] == [(1000, pid), (1001, pid)]
+    assert ring.scan(str(ring_dir)) == sorted(
+        [(0, os.getpid(), str(ring_dir / f"rank-0-{os.getpid()}")),
+         (0, pid, str(ring_dir / f"rank-0-{pid}"))])
+    # each new ring announced itself once: the parent's first beat, the child's first
+    assert [parse(d, pid=1, at=0.0).step for d in _recv_all(listener)] == [1, 1000]
+    hb.close()
+
+
+def test_an_explicit_rank_gets_its_own_ring(
+    sock_path: Path, listener: socket.socket, ring_dir: Path
+) -> None:
+    """beat(rank=N) writes to rank-N-<pid>, apart from the default rank's ring; a second
+    connect() in the same process shares the rings rather than failing."""
+    hb = client.connect(str(sock_path), rank=0)
+    hb2 = client.connect(str(sock_path), rank=0)
+    hb.beat(1, loss=1.0)
+    hb.beat(10, loss=3.0, rank=3)
+    hb.beat(11, loss=4.0, rank=4)
+    hb2.beat(2, loss=2.0)
+    assert hb2.ring_error is None
+    assert [(x.step, x.loss) for x in _ring_records(ring_dir)] == [(1, 1.0), (2, 2.0)]
+    assert [(x.rank, x.step) for x in _ring_records(ring_dir, rank=3)] == [(3, 10)]
+    assert [(x.rank, x.step) for x in _ring_records(ring_dir, rank=4)] == [(4, 11)]
+    assert len(_recv_all(listener)) == 3  # one announcement per ring
+    hb.close()
+    hb2.close()
+
+
+def test_a_missing_ring_dir_falls_back_to_datagrams(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sock_path: Path, listener: socket.socket
+) -> None:
+    """If the ring folder does not exist, beats go as datagrams (rate-limited, as without rings)
+    and ring_error says why."""
+    monkeypatch.setenv(ring.ENV, str(tmp_path / "absent"))
+    hb = client.connect(str(sock_path), rank=0)
+    for step in range(1, 4):
+        hb.beat(step, loss=1.0)
+        time.sleep(0.011)  # beats closer than 5 ms are skipped
+    assert [parse(d, pid=1, at=0.0).step for d in _recv_all(listener)] == [1, 2, 3]
+    assert hb.ring_error is not None and "absent" in hb.ring_error
+    assert not (tmp_path / "absent").exists()
+    hb.close()
+
+
+_AS_USER = """
+import json, os, sys, time
+from trainwatch import client
+hb = client.connect()
+for step in range(1, 4):
+    hb.beat(step, loss=1.0)
+    time.sleep(0.011)
+print(json.dumps({"ring_error": hb.ring_error, "dropped": hb.dropped}))
+"""
+
+
+def test_an_unwritable_ring_dir_falls_back_to_datagrams(
+    user_python: UserPython, open_tmp: Path
+) -> None:
+    """A job user who may not write in the ring folder (root's, 0700) still gets its beats through
+    as datagrams, and nothing is created there."""
+    rings = open_tmp / "rings"
+    rings.mkdir(mode=0o700)
+    sock = open_tmp / "hb.sock"
+    s = _listener(sock)
+    try:
+        os.chmod(sock, 0o666)
+        out = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", user_python.python,
+             "-c", _AS_USER],
+            env=user_python.env(TRAINWATCH_SOCKET=str(sock), **{ring.ENV: str(rings)}),
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout
+        res = json.loads(out)
+        assert res["ring_error"] and "Permission denied" in res["ring_error"]
+        assert res["dropped"] == 0
+        assert [parse(d, pid=1, at=0.0).step for d in _recv_all(s)] == [1, 2, 3]
+        assert os.listdir(rings) == []
+    finally:
+        s.close()

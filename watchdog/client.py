@@ -11,6 +11,14 @@ costs more; the daemon's catalog also finds checkpoints on disk.
     for step in ...:
         hb.beat(step, loss=loss, grad_norm=gn)
     hb.checkpoint(step, path)
+
+With TRAINWATCH_RING_DIR set (a daemon that reads heartbeat rings), every
+beat goes into this process's ring file for its rank (trainwatch.sources.ring:
+shared memory, no syscall, no 5 ms limit) and a datagram is sent only to
+announce a new ring (the first beat of each rank in each process) and at
+once for a non-finite loss or gradient norm, so that the daemon acts on a NaN
+without waiting for its next read. Without it, or if the ring file cannot be
+made, every beat is a datagram, as before.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ import math
 import os
 import socket
 import time
+
+from trainwatch.sources.ring import ENV as RING_ENV
+from trainwatch.sources.ring import RingWriter
 
 __all__ = ["Heartbeat", "NullHeartbeat", "connect", "resume_from", "skip_steps"]
 
@@ -32,6 +43,8 @@ _RECONNECT_EVERY = 1.0
 # norm is always sent.
 _MIN_INTERVAL = 0.005
 _CHECKPOINT_RETRY_FOR = 0.2
+_UNSENT_KEPT = 4  # unsent checkpoint reports kept for a later beat to send
+_UNSENT_RETRY = 0.1  # seconds between two tries from beat()
 
 
 def _num(x: float | None) -> str:
@@ -53,12 +66,36 @@ def _head(rank: int) -> str:
     return f'{{"v":1,"k":"beat","rank":{int(rank)},"step":'
 
 
+_isfinite = math.isfinite
+
+# This process's ring writers, one per (ring folder, rank), shared by every
+# Heartbeat in it (two connect() calls must not fight over one file). None:
+# the ring could not be made; beats for that rank go as datagrams.
+_rings: dict[tuple[str, int], RingWriter | None] = {}
+# Bumped in a forked child, where every inherited writer is dropped: the
+# parent's ring is the parent's. The child makes its own on its next beat.
+_fork_gen = 0
+
+
+def _after_fork_in_child() -> None:
+    global _fork_gen
+    _fork_gen += 1
+    for w in _rings.values():
+        if w is not None:
+            w.close()  # unmaps the child's copy of the mapping only
+    _rings.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Heartbeat:
     """A connected heartbeat sender. Cheap to call every step."""
 
-    __slots__ = ("_head", "_last_sent", "_last_try", "_path", "_sock", "dropped", "rank", "skipped")
+    __slots__ = ("_head", "_last_sent", "_last_try", "_path", "_ring", "_ring_dir", "_ring_gen",
+                 "_sock", "_unsent", "_unsent_at", "dropped", "rank", "ring_error", "skipped")
 
-    def __init__(self, path: str, rank: int = 0) -> None:
+    def __init__(self, path: str, rank: int = 0, ring_dir: str | None = None) -> None:
         self._path = path
         self.rank = rank
         self.dropped = 0  # could not be sent (no daemon, queue full)
@@ -67,6 +104,14 @@ class Heartbeat:
         self._sock: socket.socket | None = None
         self._last_try = 0.0
         self._head = _head(rank)
+        self._ring_dir = ring_dir or None
+        self._ring: RingWriter | None = None  # the writer for self.rank, once looked up
+        self._ring_gen = -1  # the _fork_gen it was looked up in; -1: not yet
+        self.ring_error: str | None = None  # why a ring could not be made (then: datagrams)
+        # Checkpoint reports the daemon could not take (it was restarting): sent
+        # again from beat() until it can, so that a restart costs no checkpoint.
+        self._unsent: list[bytes] = []
+        self._unsent_at = 0.0
         self._connect()
 
     def _connect(self) -> None:
@@ -110,24 +155,78 @@ class Heartbeat:
     ) -> None:
         """Report that ``step`` finished. Never blocks, never raises."""
         try:
+            if self._unsent:
+                self._send_unsent()
+            if self._ring_dir is not None:
+                if rank is None and self._ring_gen == _fork_gen:
+                    w = self._ring
+                else:
+                    w = self._writer(rank)
+                if w is not None and w.write(step, loss, grad_norm):
+                    if (loss is None or _isfinite(loss)) and (
+                        grad_norm is None or _isfinite(grad_norm)
+                    ):
+                        if w.announced:
+                            return
+                        # Until the daemon has heard of this ring, a datagram now
+                        # and then: it wakes the daemon, which then reads the ring.
+                        now = _monotonic()
+                        if now < w.announce_at:
+                            return
+                        w.announce_at = now + _MIN_INTERVAL
+                    if self._send(self._message(step, loss, grad_norm, rank)):
+                        w.announced = True
+                    return
             if rank is None:  # an explicit rank is always sent: it may be another rank's beat
                 now = _monotonic()
                 if now - self._last_sent < _MIN_INTERVAL and _finite(loss) and _finite(grad_norm):
                     self.skipped += 1
                     return
                 self._last_sent = now
-            head = self._head if rank is None else _head(rank)
-            if loss is None and grad_norm is None:
-                msg = f"{head}{int(step)}}}"
-            else:
-                msg = f'{head}{int(step)},"loss":{_num(loss)},"grad_norm":{_num(grad_norm)}}}'
-            self._send(msg.encode())
+            self._send(self._message(step, loss, grad_norm, rank))
         except Exception:
             self.dropped += 1
 
+    def _message(self, step: int, loss: float | None, grad_norm: float | None,
+                 rank: int | None) -> bytes:
+        head = self._head if rank is None else _head(rank)
+        if loss is None and grad_norm is None:
+            return f"{head}{int(step)}}}".encode()
+        return f'{head}{int(step)},"loss":{_num(loss)},"grad_norm":{_num(grad_norm)}}}'.encode()
+
+    def _writer(self, rank: int | None) -> RingWriter | None:
+        """The ring writer for ``rank`` (self.rank if None) in this process,
+        made on first use; None if it cannot be made."""
+        r = self.rank if rank is None else rank
+        key = (str(self._ring_dir), r)
+        if key in _rings:
+            w = _rings[key]
+        else:
+            w = RingWriter(key[0], r)
+            if not w.ok:
+                self.ring_error = w.error
+                w = None
+            _rings[key] = w
+        if rank is None:
+            self._ring, self._ring_gen = w, _fork_gen
+        return w
+
+    def _send_unsent(self) -> None:
+        now = _monotonic()
+        if now < self._unsent_at:
+            return
+        self._unsent_at = now + _UNSENT_RETRY
+        if self._sock is None:
+            self._connect()  # not once a second: a report is waiting
+        while self._unsent and self._send(self._unsent[0]):
+            del self._unsent[0]
+        if self._unsent:
+            self._connect()
+
     def checkpoint(self, step: int, path: str | os.PathLike[str], rank: int | None = None) -> bool:
         """Report that the checkpoint at ``path`` is complete. Retries briefly;
-        returns whether the report was sent. Never raises."""
+        returns whether the report was sent; one that was not is sent again
+        with a later beat (the newest few are kept). Never raises."""
         try:
             body = {"v": 1, "k": "ckpt", "rank": self.rank if rank is None else rank,
                     "step": int(step), "path": os.path.abspath(os.fspath(path))}
@@ -141,6 +240,7 @@ class Heartbeat:
             if self._send(data):
                 return True
             if time.monotonic() >= deadline:
+                self._unsent = [*self._unsent[1 - _UNSENT_KEPT:], data]
                 return False
             time.sleep(0.005)
 
@@ -193,7 +293,7 @@ def connect(path: str | None = None, rank: int | None = None) -> Heartbeat | Nul
     path = path or os.environ.get("TRAINWATCH_SOCKET")
     if not path:
         return NullHeartbeat()
-    return Heartbeat(path, _env_rank() if rank is None else rank)
+    return Heartbeat(path, _env_rank() if rank is None else rank, os.environ.get(RING_ENV))
 
 
 def resume_from() -> str | None:
