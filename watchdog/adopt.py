@@ -126,6 +126,7 @@ def _adopt_attempt(r: JobRunner, rt: runtime.Runtime) -> bool:
     r.attempt = a
     r.outages.started(a.started)
     r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
+    r.intake.new_attempt(a.ring_dir)
     if a.pidfd is not None:
         r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
     return True

@@ -1,34 +1,82 @@
-"""A job's heartbeat intake: its socket, when to read it (sources/beatpoll.py),
-and what each message is handed to. Only the job's tree is believed: the
-runner's ``believe(pid, uid)`` decides for every sender."""
+"""A job's heartbeat intake: its socket, its ranks' beat rings, when to read
+them, and what each message is handed to.
+
+Two ways in. A client with ``TRAINWATCH_RING_DIR`` writes every step into a
+ring of its own (sources/ring.py: shared memory, no syscall, no wake-up per
+beat) and sends a datagram only for its first beat and for a non-finite
+value; the rings of all jobs are read together every ``RING_POLL`` seconds,
+and before any judgement (an exit, a hang deadline). A client without rings
+sends every beat as a datagram (sources/beatpoll.py decides when to read).
+
+Only the job's tree is believed: the runner's ``believe(pid, uid)`` judges
+every datagram's sender, and a ring is read only when the pid in its name and
+header is in the tree (root's included: the pid is only claimed), in a folder
+only the job's user (and root) can write to.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import selectors
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
+from trainwatch.sources import ring
 from trainwatch.sources.beatpoll import BeatPoller
 from trainwatch.sources.heartbeat import HeartbeatSocket
 from trainwatch.types import Beat, CheckpointReport
 
 log = logging.getLogger("trainwatch")
 
+# Seconds between two reads of the rings (every job's in one round). A non-finite
+# value comes at once as a datagram and a judgement reads the rings first, so
+# this bounds only how stale steps/s and the statistics may be.
+RING_POLL = 1.0
+_NO_UID = -1  # for believe(): a ring's writer has no uid the kernel vouches for
+
 
 class Intake:
     def __init__(self, job: str, path: str, selector: selectors.BaseSelector,
                  believe: Callable[[int, int], bool], clock: Callable[[], float],
                  owner: tuple[int, int] | None,
-                 on_beat: Callable[[Beat], None],
-                 on_report: Callable[[CheckpointReport], None]) -> None:
+                 on_beats: Callable[[Sequence[Beat]], None],
+                 on_report: Callable[[CheckpointReport], None],
+                 max_rings: int = 1024) -> None:
         self.job, self.path = job, path
-        self.on_beat, self.on_report = on_beat, on_report
+        self.on_beats, self.on_report = on_beats, on_report
+        self.believe, self.clock = believe, clock
+        # Rings carry the writer's CLOCK_MONOTONIC, which is ours unless a test
+        # drives the loop with a clock of its own.
+        self._writer_clock = clock is time.monotonic
         # Only the job's user (and root) may reach its socket at all.
         self.socket = HeartbeatSocket(path, believe, clock, owner=owner)
-        self.poller = BeatPoller(self.socket, selector, self.drain, clock)
+        self.poller = BeatPoller(self.socket, selector, self._drain_socket, clock)
+        self.ring_dir: str | None = None
+        self.readers: dict[str, ring.RingReader] = {}
+        self.refused: set[str] = set()  # ring files not believed or not rings
+        self.max_rings = max_rings
+        self.ring_values = 0  # records read from rings, every attempt
+        self.rings_opened = 0  # rings read, every attempt
+        self.rings_refused = 0  # ring files not believed or not rings, every attempt
+        self.rings_lapped_before = 0
+        self._dir_seen: int | None = None
+        self._ring_poll_at = 0.0
 
-    def drain(self) -> int:
-        """Read and act on everything queued on the socket; how many datagrams."""
+    @property
+    def rings_lapped(self) -> int:
+        """Values a writer overwrote before they were read (or torn), every attempt."""
+        return self.rings_lapped_before + sum(rd.lapped for rd in self.readers.values())
+
+    def drain(self) -> None:
+        """Read and act on everything queued on the socket and written to the rings."""
+        self._drain_socket()
+        self._read_rings(rescan=False)
+
+    def _drain_socket(self) -> int:
+        """Read and act on everything queued on the socket; how many datagrams
+        (the poller's measure of how busy the socket is)."""
         c = self.socket.counters
         before = (c.malformed, c.oversized, c.foreign)
         observations = self.socket.drain()
@@ -36,22 +84,106 @@ class Intake:
                                   (c.malformed, c.oversized, c.foreign), strict=True):
             if old == 0 and new > 0:  # the first of its kind; the rest are only counted
                 log.warning("job %s: dropped a %s datagram on %s", self.job, what, self.path)
+        beaten = False
         for obs in observations:
             if isinstance(obs, Beat):
-                self.on_beat(obs)
+                beaten = True
+                self.on_beats((obs,))
             elif isinstance(obs, CheckpointReport):
                 self.on_report(obs)
+        if beaten:  # a client sends its first beat as a datagram once its ring exists
+            self._read_rings(rescan=True)
         return len(observations) + c.malformed + c.oversized + c.foreign - sum(before)
+
+    def _read_rings(self, rescan: bool) -> int:
+        d = self.ring_dir
+        if d is None:
+            return 0
+        try:
+            seen = os.stat(d).st_mtime_ns
+        except OSError:
+            seen = None
+        if rescan or seen != self._dir_seen:
+            self._dir_seen = seen
+            self._discover(d)
+        now = self.clock()
+        n = 0
+        writer_clock = self._writer_clock
+        for rd in self.readers.values():
+            records = rd.read()
+            if records:
+                self.on_beats([Beat(r.rank, r.step, min(r.t, now) if writer_clock else now,
+                                    r.pid, r.loss, r.grad_norm) for r in records])
+                n += len(records)
+        self.ring_values += n
+        return n
+
+    def _discover(self, d: str) -> None:
+        try:
+            found = ring.scan(d)
+        except OSError as e:
+            log.warning("job %s: cannot list %s: %s", self.job, d, e.strerror or e)
+            return
+        for rank, pid, path in found:
+            if path in self.readers or path in self.refused:
+                continue
+            why = None
+            rd: ring.RingReader | None = None
+            if len(self.readers) >= self.max_rings:
+                why = f"more than {self.max_rings} rings"
+            else:
+                try:
+                    rd = ring.RingReader(path)
+                except (ring.RingError, OSError) as e:
+                    why = str(e)
+            # The pid is the writer's claim, not the kernel's word (as a datagram's
+            # sender is): no exemption for root, the pid must be in the tree.
+            if rd is not None and (rd.rank != rank or rd.pid != pid
+                                   or not self.believe(pid, _NO_UID)):
+                why = f"pid {pid} is not one of the job's processes"
+                rd.close()
+                rd = None
+            if rd is None:
+                self.refused.add(path)
+                self.rings_refused += 1
+                if self.rings_refused == 1:  # the first; the rest are only counted
+                    log.warning("job %s: not reading the ring %s: %s", self.job, path, why)
+                continue
+            self.readers[path] = rd
+            self.rings_opened += 1
 
     def tick(self, now: float) -> None:
         self.poller.tick(now)
+        if self.ring_dir is not None and now >= self._ring_poll_at:
+            # On a grid shared by every job: one wake-up reads them all.
+            self._ring_poll_at = (math.floor(now / RING_POLL) + 1) * RING_POLL
+            self._read_rings(rescan=False)
 
     def next_wake(self) -> float | None:
-        return self.poller.next_wake()
+        poll = self.poller.next_wake()
+        if self.ring_dir is None:
+            return poll
+        return self._ring_poll_at if poll is None else min(poll, self._ring_poll_at)
 
-    def new_attempt(self) -> None:
-        self.socket.forget_senders()  # the last attempt's processes are no longer ours
+    def new_attempt(self, ring_dir: str | None) -> None:
+        """The attempt's processes are the ones to believe now, its rings the ones to read."""
+        self.socket.forget_senders()
+        self._close_rings()
+        self.ring_dir, self._dir_seen = ring_dir, None
+
+    def end_attempt(self) -> None:
+        """Its processes are gone: nothing more to read."""
+        self._close_rings()
+        self.ring_dir = None
+
+    def _close_rings(self) -> None:
+        self.rings_lapped_before += sum(rd.lapped for rd in self.readers.values())
+        for rd in self.readers.values():
+            rd.close()
+        self.readers.clear()
+        self.refused.clear()
 
     def close(self) -> None:
         self.poller.close()
         self.socket.close()
+        self._close_rings()

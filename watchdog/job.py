@@ -22,7 +22,7 @@ import selectors
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from trainwatch import adopt, respond
 from trainwatch.actions import credentials
@@ -126,7 +126,8 @@ class JobRunner:
         ident = credentials.resolve(job.user, job.group)
         self.intake = Intake(job.name, self.socket_path, selector, self._believe, clock,
                              (ident.uid, ident.gid) if ident else None,
-                             self._on_beat, self._on_report)
+                             self._on_beats, self._on_report,
+                             max_rings=2 * job.heartbeat.max_ranks)
         self.socket = self.intake.socket
         # For the exporter: the catalog's summary, and the time faults cost.
         self.checkpoints = Summary()
@@ -225,27 +226,33 @@ class JobRunner:
         self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
         log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step, obs.path)
 
-    def _on_beat(self, b: Beat) -> None:
+    def _on_beats(self, beats: Sequence[Beat]) -> None:
+        """Beats in the order they were sent (a ring's batch, or one datagram)."""
         if self.state not in (JobState.STARTING, JobState.RUNNING):
-            return  # a late beat from an attempt being stopped
+            return  # late beats from an attempt being stopped
         first = not self.ranks.beaten
-        new_pid = self.ranks.observe(b)
-        if new_pid is None:
-            return  # a rank beyond the job's cap: dropped and counted
+        new_pid, taken, observe = False, None, self.ranks.observe
+        for b in beats:
+            seen = observe(b)
+            if seen is None:
+                continue  # a rank beyond the job's cap: dropped and counted
+            new_pid, taken = new_pid or seen, b
+            if self.last_step is None or b.step > self.last_step:
+                self.last_step = b.step
+        if taken is None:
+            return
         self.hang_latched = False
         self.ever_beaten = True
-        if self.last_step is None or b.step > self.last_step:
-            self.last_step = b.step
         a = self.attempt
         if first and a is not None and a.resumed_step is not None:
             self.catalog.start_succeeded(a.resumed_step)
         if first:
             # Back at work: the outage cost its downtime and the steps it must redo.
-            lost = self.outages.back(b.at)
+            lost = self.outages.back(taken.at)
             if lost is not None:
                 self.events.seconds_lost.labels(self.job.name).inc(lost)
         if self.state is JobState.STARTING:
-            self.to(JobState.RUNNING, f"first heartbeat (rank {b.rank}, step {b.step})")
+            self.to(JobState.RUNNING, f"first heartbeat (rank {taken.rank}, step {taken.step})")
         elif new_pid:
             self.publish()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import time
 from collections.abc import Mapping
@@ -29,6 +30,7 @@ from trainwatch.actions.logfollow import LogFollower
 from trainwatch.actions.tree import JobTree
 from trainwatch.config import Job
 from trainwatch.service import SERVICE_ENV
+from trainwatch.sources import ring
 from trainwatch.state import statewrites
 from trainwatch.state.ownership import set_mode
 
@@ -83,6 +85,7 @@ _stood_down: list[int] = []
 def job_env(
     job: Job, socket: str, attempt: int, resume_from: str | None, base: Mapping[str, str],
     gpus: list[int] | None = None, ident: Identity | None = None,
+    ring_dir: str | None = None,
 ) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in SERVICE_ENV}  # systemd's, not the job's
     credentials.env_for(ident, env, job.env)
@@ -93,6 +96,9 @@ def job_env(
     # A value inherited from our own environment must not leak into a fresh start.
     env.pop("TRAINWATCH_RESUME_FROM", None)
     env.pop("TRAINWATCH_SKIP_STEPS", None)
+    env.pop(ring.ENV, None)
+    if ring_dir is not None:
+        env[ring.ENV] = ring_dir
     if resume_from is not None:
         env["TRAINWATCH_RESUME_FROM"] = resume_from
     if gpus is not None:
@@ -113,6 +119,11 @@ def job_argv(job: Job, resume_from: str | None, gpus: list[int] | None = None) -
     if resume_from is not None:
         argv += [a.replace("{checkpoint}", resume_from) for a in job.resume_args]
     return argv
+
+
+def ring_dir(socket: str, job: str, number: int) -> str:
+    """Beside the heartbeat socket and the exit file, in run_dir."""
+    return os.path.join(os.path.dirname(socket), f"{job}.attempt-{number}.rings")
 
 
 class Attempt:
@@ -139,7 +150,10 @@ class Attempt:
         if umask < 0:  # ours; os.umask() reads it only by setting it
             umask = os.umask(0o077)
             os.umask(umask)
-        env = job_env(job, socket, number, resume_from, os.environ, gpus, ident)
+        self.ring_dir: str | None = ring_dir(socket, job.name, number)
+        if not self._make_ring_dir(ident):
+            self.ring_dir = None
+        env = job_env(job, socket, number, resume_from, os.environ, gpus, ident, self.ring_dir)
         drop = ident is not None and os.geteuid() == 0  # as credentials.child_setup decides
         spec = {
             "argv": job_argv(job, resume_from, gpus), "env": env, "cwd": job.workdir,
@@ -190,6 +204,8 @@ class Attempt:
         cgroup = AttemptCgroup.existing(cgroup_path) if cgroup_path and rec.cgroup else None
         self._attach(cgroup, False)
         self._watcher = None
+        d = ring_dir(rec.exit_path, job.name, number)
+        self.ring_dir = d if os.path.isdir(d) else None
         return self
 
     def _common(self, job: Job, number: int, resume_from: str | None,
@@ -228,6 +244,25 @@ class Attempt:
         """Copy the log's new output through to our stdout (trainwatch run)."""
         if self.follower is not None:
             self.follower.poll()
+
+    def _make_ring_dir(self, ident: Identity | None) -> bool:
+        """The attempt's folder for its ranks' beat rings (sources/ring.py): the
+        job's user's alone. False (logged once, counted) when it cannot be made:
+        the job's client then sends every beat as a datagram."""
+        d = self.ring_dir
+        assert d is not None
+        try:
+            shutil.rmtree(d, ignore_errors=True)  # a stale one (a state_dir reset)
+            os.mkdir(d, 0o700)
+            drop = ident is not None and os.geteuid() == 0
+            set_mode(d, 0o700, ident.uid if drop and ident else -1,
+                     ident.gid if drop and ident else -1)
+        except OSError as e:
+            log.warning("job %s: cannot create %s (%s): beats come as datagrams",
+                        self.job.name, d, e.strerror or e)
+            statewrites.count("rings")
+            return False
+        return True
 
     def _open_log(self, log_dir: Path, ident: Identity | None) -> int | None:
         """The attempt's log, 0640 in a 0750 folder, group-owned by the job's group
@@ -313,6 +348,8 @@ class Attempt:
         if self._watcher is not None:
             _stand_down(*self._watcher)
             self._watcher = None
+        if self.ring_dir is not None:
+            shutil.rmtree(self.ring_dir, ignore_errors=True)  # its processes are gone
 
     def release(self) -> None:
         """Leave the attempt running without us (the daemon stops; the next adopts it)."""

@@ -70,7 +70,7 @@ def launch(r: JobRunner, reason: str) -> None:
     step_s = statistics.median(intervals) if intervals else 0.0
     r.over_cap_before += r.ranks.over_cap  # counters that outlive an attempt
     r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
-    r.intake.new_attempt()
+    r.intake.new_attempt(a.ring_dir)
     r.hang_latched = False
     r.drill = None  # a notice for the attempt before is not this one's
     reached, r.last_step = r.last_step, cp.step if cp else None

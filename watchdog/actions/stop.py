@@ -55,6 +55,7 @@ def advance(r: JobRunner, now: float) -> None:
         if a.pidfd is not None and a.pidfd in r.sel.get_map():
             r.sel.unregister(a.pidfd)
         a.close()
+    r.intake.end_attempt()
     r.stopping = None
     if s.outcome is JobState.BACKOFF:
         r.relaunch_at = now + s.delay

@@ -191,7 +191,11 @@ class StateCollector(Collector):
                      ["job", "state"])
         received = _counter("trainwatch_heartbeat_datagrams",
                             "Datagrams received on the job's heartbeat socket.", j)
-        dropped = _counter("trainwatch_heartbeat_dropped", "Datagrams dropped, by reason.",
+        values = _counter("trainwatch_heartbeat_ring_values",
+                          "Heartbeats (step, loss, grad norm) read from the ranks' rings.", j)
+        dropped = _counter("trainwatch_heartbeat_dropped",
+                           "Heartbeats dropped, by reason: datagrams malformed, oversized, "
+                           "foreign or over_cap; ring values lapped (overwritten unread).",
                            ["job", "reason"])
         output = _counter("trainwatch_job_output_dropped_bytes",
                           "Bytes of the job's output not logged or passed through (a full "
@@ -232,10 +236,12 @@ class StateCollector(Collector):
             for reason in ("malformed", "oversized", "foreign"):
                 dropped.add_metric([name, reason], getattr(c, reason))
             dropped.add_metric([name, "over_cap"], r.ranks_over_cap)
+            values.add_metric([name], r.intake.ring_values)
+            dropped.add_metric([name, "lapped"], r.intake.rings_lapped)
             output.add_metric([name], r.output_dropped)
         yield from (state, attempts, started, step, loss, grad, loss_step, grad_step, nranks,
                     gpus, timeout, age, rstep, goodput, cp_step, cp_time, cps, received,
-                    dropped, output)
+                    values, dropped, output)
 
 
 def _last_values(r: JobRunner, name: str, families: dict[str, GaugeMetricFamily]) -> None:

@@ -99,5 +99,8 @@ def of(r: JobRunner) -> dict[str, Any]:
         "resumed_from": a.resume_from if a else None,
         "observe_only": r.config.observe_only,
         "datagrams": dataclasses.asdict(r.socket.counters),
+        "rings": {"dir": r.intake.ring_dir, "read": r.intake.rings_opened,
+                  "values": r.intake.ring_values, "lapped": r.intake.rings_lapped,
+                  "refused": r.intake.rings_refused},
         "ranks_over_cap": r.ranks_over_cap,
     }

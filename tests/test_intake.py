@@ -1,0 +1,129 @@
+"""The daemon's side of the beat rings (intake.py), with a real `trainwatch run`
+and real jobs: every step of every rank reaches trainwatch through the rings
+with a datagram only per new ring, a ring from outside the job's tree is never
+read, and the attempt's ring folder lives exactly as long as the attempt."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import Workspace, finish, wait_for
+from trainwatch.sources import ring
+
+# Forks `ranks` processes; each beats `steps` times as fast as it can (loss =
+# 2 * step), waits for the file `release` (well within the hang timeout), beats
+# once more and exits 0: the final status.json then counts everything.
+_JOB = textwrap.dedent(
+    """
+    import os, sys, time
+    from trainwatch import client
+    ranks, steps, release = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    for rank in range(ranks):
+        if rank == ranks - 1 or os.fork() == 0:
+            break
+    hb = client.connect(rank=rank)
+    for step in range(1, steps + 1):
+        hb.beat(step, loss=2.0 * step)
+        if step % 500 == 0:
+            time.sleep(0.05)  # 1,000s of steps/s: the rings are read every second
+    while not os.path.exists(release):
+        time.sleep(0.05)
+    hb.beat(steps + 1, loss=2.0 * (steps + 1))
+    """
+)
+
+
+def _job(ws: Workspace, ranks: int, steps: int) -> Path:
+    script = ws.root / "job.py"
+    script.write_text(_JOB)
+    return ws.config({"command": [sys.executable, str(script), str(ranks), str(steps),
+                                  str(ws.root / "release")],
+                      "heartbeat": {"timeout": "60s", "ranks": ranks}})
+
+
+def _rings(ws: Workspace) -> Path:
+    return ws.root / "run" / "jobs" / "job.attempt-0.rings"
+
+
+def test_every_step_of_every_rank_arrives_through_the_rings(ws: Workspace) -> None:
+    """8 ranks x 3,000 steps as fast as Python beats: every value is read from the
+    rings (none lapped), the step is every rank's last, and the socket carried
+    only the first beat of each rank (plus any sent again while unread)."""
+    p = ws.run(_job(ws, 8, 3000))
+    found = wait_for(lambda: len(r := ring.scan(str(_rings(ws)))) == 8 and r, timeout=30,
+                     what="8 rings")
+    (ws.root / "release").touch()
+    code, out = finish(p)
+    assert code == 0, out
+    st = ws.status()
+    assert st["state"] == "exited", st
+    assert st["rings"]["values"] == 8 * 3001, st["rings"]
+    assert st["rings"]["lapped"] == 0, st["rings"]
+    assert st["rings"]["refused"] == 0, st["rings"]
+    assert st["step"] == 3001, st
+    assert st["datagrams"]["received"] <= 8 * 4, st["datagrams"]
+    assert sorted(rank for rank, _, _ in found) == list(range(8))
+    assert not _rings(ws).exists(), "the ring folder outlived its attempt"
+
+
+def test_a_ring_from_outside_the_jobs_tree_is_never_read(ws: Workspace) -> None:
+    """A process that is not the job's writes a ring into the attempt's folder,
+    named with its own pid or the job's: trainwatch counts it refused and
+    never takes its steps."""
+    p = ws.run(_job(ws, 1, 10))
+    st = wait_for(lambda: (s := ws.status()).get("step") == 10 and s, what="step 10")
+    job_pid = st["ranks"]["0"]
+    stranger = textwrap.dedent(
+        f"""
+        import os, shutil, time
+        from trainwatch.sources import ring
+        d = {str(_rings(ws))!r}
+        w = ring.RingWriter(d, 0)
+        w.write(10**6, 1.0, None)
+        # The same ring under the job's own pid's name: the header names ours.
+        shutil.copy(w.path, os.path.join(d, ring.file_name(1, {job_pid})))
+        print("ok", flush=True)
+        time.sleep(30)
+        """
+    )
+    s = subprocess.Popen([sys.executable, "-c", stranger], stdout=subprocess.PIPE, text=True)
+    try:
+        assert s.stdout is not None and s.stdout.readline().strip() == "ok"
+        time.sleep(1.5)  # the rings are read every second: the strange ones too, if at all
+        (ws.root / "release").touch()
+        code, out = finish(p)
+    finally:
+        s.kill()
+        s.wait()
+    assert code == 0, out
+    st = ws.status()
+    assert st["step"] == 11, st
+    assert set(st["ranks"]) == {"0"}, st["ranks"]
+    assert (st["rings"]["read"], st["rings"]["refused"]) == (1, 2), st["rings"]
+    assert st["rings"]["values"] == 11, st["rings"]
+    assert "not reading the ring" in out, out
+
+
+def test_without_a_ring_folder_beats_come_as_datagrams(ws: Workspace) -> None:
+    """Where the folder cannot be made (run_dir/jobs holds a file of that name),
+    the job is told nothing and its client sends every beat as before."""
+    cfg = _job(ws, 2, 200)
+    _rings(ws).parent.mkdir(parents=True)
+    os.chmod(_rings(ws).parent, 0o755)
+    _rings(ws).write_text("in the way")
+    p = ws.run(cfg)
+    # (beats closer than 5 ms are not sent as datagrams: few of the 200 arrive)
+    wait_for(lambda: ws.status().get("state") == "running", timeout=30, what="a first beat")
+    (ws.root / "release").touch()
+    code, out = finish(p)
+    assert code == 0, out
+    st = ws.status()
+    assert (st["rings"]["read"], st["rings"]["values"]) == (0, 0), st["rings"]
+    assert st["step"] == 201, st
+    assert st["datagrams"]["received"] >= 2 * 2, st["datagrams"]  # first and last of each
+    assert "beats come as datagrams" in out, out
