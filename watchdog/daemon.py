@@ -46,8 +46,6 @@ class Daemon(Supervisor):
             timezone="UTC")
         self.scheduler.add_job(self._locked(self._scan_checkpoints), "interval",
                                seconds=_CATALOG_EVERY, id="checkpoints")
-        self.scheduler.add_job(self._locked(self._publish_all), "interval",
-                               seconds=1.0, id="status")
         self.scheduler.add_job(self._locked(self.reap_strays), "interval",
                                seconds=5.0, id="reap")
         self._status_at = 0.0
@@ -108,11 +106,6 @@ class Daemon(Supervisor):
     def _scan_checkpoints(self) -> None:
         for r in self.runners:
             r.refresh_checkpoints()
-
-    def _publish_all(self) -> None:
-        for r in self.runners:
-            if r.last_step != r.published_step:
-                r.publish()
 
     def _summary(self) -> str:
         counts: dict[str, int] = {}

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-import psutil
 from trainwatch import operations
 from trainwatch.actions import credentials, tree
 from trainwatch.config import Config, ConfigError, Job
@@ -197,7 +196,9 @@ class Supervisor:
         return not all(r.done for r in self.runners)
 
     def each_round(self, now: float) -> None:
-        pass
+        if now >= self._next_reap:  # the daemon reaps on its scheduler instead
+            self._next_reap = now + _REAP_EVERY
+            self.reap_strays()
 
     def finish(self) -> int:
         if self.stop_signal is not None and not all(r.state is JobState.EXITED
@@ -269,18 +270,12 @@ class Supervisor:
         """As a subreaper we inherit orphans that left the job's session; reap
         those that have exited. (A keeper's exit status is not the job's: the
         job's is in the keeper's exit file, so reaping a keeper here is harmless.)"""
-        try:
-            children = psutil.Process().children()
-        except psutil.Error:
-            return
-        for child in children:
+        while True:
             try:
-                zombie = child.status() == psutil.STATUS_ZOMBIE
-            except psutil.Error:
-                continue
-            if zombie:
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(child.pid, os.WNOHANG)
+                if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG) is None:
+                    return  # none has exited (waitid reaps one per call, no /proc scan)
+            except ChildProcessError:
+                return  # no children at all
 
     def _route_gpu_faults(self) -> None:
         if self.gpus is None:
@@ -353,9 +348,6 @@ class Supervisor:
                 now = self.clock()
                 for r in self.runners:
                     self._guarded(r.tick, now)
-                if now >= self._next_reap:
-                    self._next_reap = now + _REAP_EVERY
-                    self._guarded(self.reap_strays)
                 for r in [r for r in self._removing if r.done]:
                     self._removing.remove(r)
                     self._guarded(self._drop, r, False)

@@ -38,19 +38,29 @@ def makedirs(path: str | os.PathLike[str], mode: int = DIR_MODE) -> None:
 def write_json(path: str | os.PathLike[str], obj: Any, durable: bool = True,
                mode: int = FILE_MODE) -> None:
     """``durable=False`` skips the fsyncs: still old-or-new for readers, but a
-    power loss may leave the old file. For snapshots rewritten every second.
-    Raises OSError (disk full, read-only) or ValueError/TypeError (``obj`` is
-    not JSON); the old file is then untouched and no temp file is left."""
+    power loss may leave the old file. For snapshots rewritten every second,
+    by one writer at a time (their temp file has a fixed name). Raises OSError
+    (disk full, read-only) or ValueError/TypeError (``obj`` is not JSON); the
+    old file is then untouched and no temp file is left."""
     p = Path(path)
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()  # before any file is made
     makedirs(p.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    if durable:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
+    else:
+        tmp = str(p.parent / f".{p.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     mode)
     try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), mode)
-            json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
+        try:
+            os.fchmod(fd, mode)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             if durable:
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, p)
     except BaseException:
         with contextlib.suppress(OSError):  # the first error is the one to report
