@@ -1,6 +1,8 @@
 """When to read a job's heartbeat socket.
 
-While beats flow, the socket is read every ``BEAT_POLL`` seconds rather than
+While beats flow (two datagrams within ``FLOWING`` seconds; a lone one, such
+as a checkpoint report from a client that beats through its ring, is read
+when it comes), the socket is read every ``BEAT_POLL`` seconds rather than
 on every datagram (8 ranks x 10 Hz: 4 datagrams a batch, 20 wake-ups/s
 instead of 80); a beat's receive time is then late by at most that. The
 kernel queues only net.unix.max_dgram_qlen datagrams (10 by default) before a
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from trainwatch.sources.heartbeat import HeartbeatSocket
 
 BEAT_POLL = 0.05
+FLOWING = 0.25
 WAKE_FOR = 30.0
 
 
@@ -38,12 +41,14 @@ class BeatPoller:
         self.sock, self.sel, self.drain, self.clock = sock, sel, drain, clock
         self.poll_at = 0.0  # 0: waiting on the socket; else: the next poll of it
         self.wake_until = 0.0  # until then, wake on every datagram
+        self.ready_at = -FLOWING  # the last wake-up on the socket
         sel.register(sock, selectors.EVENT_READ, self.on_ready)
 
     def on_ready(self, _fd: int) -> None:
         self.drain()
         now = self.clock()
-        if now >= self.wake_until:
+        flowing, self.ready_at = now - self.ready_at < FLOWING, now
+        if flowing and now >= self.wake_until:
             # Beats are flowing: stop waiting on the socket and poll it instead.
             # One wake-up then takes a batch, and a sender does not pay for waking us.
             self._unregister()
