@@ -304,8 +304,13 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
 
     timer = summarize(data["timer_ns"])
     dgrams = status.get("datagrams") or {}
-    sent = (int(data["calls"]) - int(data["dropped_total"]) - int(data["skipped_total"])
-            + int(data["raw_sent"]))
+    rings = status.get("rings") or {}
+    # Under trainwatch the job's client writes every beat to its ring
+    # (TRAINWATCH_RING_DIR) and sends a datagram only to announce the ring.
+    ringed = bool(rings.get("read"))
+    sent = (int(rings.get("read", 0)) if ringed else
+            int(data["calls"]) - int(data["dropped_total"]) - int(data["skipped_total"])
+            ) + int(data["raw_sent"])
     qlen = _qlen()
     rows: list[dict[str, Any]] = []
     controls: list[dict[str, Any]] = []
@@ -348,8 +353,9 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
     print(
         "trainwatch run -q --no-passthrough supervising one rank that calls client.connect() "
         "and, on a fixed schedule, beat(step, loss=, grad_norm=), each call timed alone (gc on; "
-        f"{args.job_warmup:g} s untimed warm-up at 100 Hz); trainwatch reads the socket every "
-        f"50 ms while beats flow; net.unix.max_dgram_qlen={qlen}"
+        f"{args.job_warmup:g} s untimed warm-up at 100 Hz); with a ring (TRAINWATCH_RING_DIR) "
+        "every beat goes to shared memory, read once a second; without, trainwatch reads the "
+        f"socket every 50 ms while beats flow; net.unix.max_dgram_qlen={qlen}"
     )
     print(
         f"timer overhead (two perf_counter_ns back to back in the job, included below): median "
@@ -394,6 +400,10 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         f"{dgrams.get('received', '?')} (malformed {dgrams.get('malformed', '?')}, foreign "
         f"{dgrams.get('foreign', '?')}, oversized {dgrams.get('oversized', '?')})"
     )
+    if ringed:
+        print(f"rings: every beat() call goes to the rank's ring; trainwatch read "
+              f"{rings.get('values')} values of {data['calls']} calls, lapped "
+              f"{rings.get('lapped')}; datagrams: 1 announcement per ring + the control sends")
     print(f"trainwatch run exit code after the job exited 0: {rc} (expected 0)")
     head = rows[0]
     main_row = head["per_call_us"]
@@ -407,6 +417,9 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         problems.append(f"trainwatch exited {rc}, expected 0")
     if dgrams.get("received") is not None and int(dgrams["received"]) != sent:
         problems.append(f"trainwatch received {dgrams['received']} datagrams, the job sent {sent}")
+    if ringed and int(rings.get("values", -1)) != int(data["calls"]):
+        problems.append(f"trainwatch read {rings.get('values')} ring values, the job made "
+                        f"{data['calls']} calls")
     if problems:
         print("PROBLEM: " + "; ".join(problems))
 
@@ -423,6 +436,7 @@ def run_job(args: argparse.Namespace) -> dict[str, Any]:
         "sent": sent,
         "received": dgrams.get("received"),
         "datagrams": dgrams,
+        "rings": rings,
         "exit_code": rc,
         "problems": problems,
         "goal_median_us": GOAL_US,
