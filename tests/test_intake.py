@@ -15,8 +15,8 @@ from pathlib import Path
 from conftest import Workspace, finish, wait_for
 from trainwatch.sources import ring
 
-# Forks `ranks` processes; each beats `steps` times as fast as it can (loss =
-# 2 * step), waits for the file `release` (well within the hang timeout), beats
+# Forks `ranks` processes; each beats `steps` times as fast as it can (a loss
+# falling as 1 / step: a healthy curve), waits for the file `release` (well within the hang timeout), beats
 # once more and exits 0: the final status.json then counts everything.
 _JOB = textwrap.dedent(
     """
@@ -28,12 +28,12 @@ _JOB = textwrap.dedent(
             break
     hb = client.connect(rank=rank)
     for step in range(1, steps + 1):
-        hb.beat(step, loss=2.0 * step)
+        hb.beat(step, loss=1.0 / step)
         if step % 500 == 0:
             time.sleep(0.05)  # 1,000s of steps/s: the rings are read every second
     while not os.path.exists(release):
         time.sleep(0.05)
-    hb.beat(steps + 1, loss=2.0 * (steps + 1))
+    hb.beat(steps + 1, loss=1.0 / (steps + 1))
     """
 )
 
