@@ -5,6 +5,7 @@ is valid, complete and commented; `trainwatch check-config` exits 2 or 0."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import subprocess
@@ -18,6 +19,7 @@ from trainwatch.config import (
     load,
     parse_duration,
 )
+from trainwatch.detectors.loss import LossSettings
 from trainwatch.types import DETECTED_KINDS, Action, FaultKind
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "trainwatch.yaml"
@@ -189,16 +191,15 @@ BAD: list[object] = [
         id="unknown-action",
     ),
     pytest.param(
-        JOB + "policies: {default: {actions: {crash: rollback}}}\n",
-        "<file>: policies.default.actions.crash: expected an action this version"
-        " carries out (alert, exec, restart, restart_exclude_gpu, stop), got 'rollback'",
-        id="action-rollback-not-implemented",
+        "jobs: [{name: j, command: [t], anomalies: {alert_z: 8, act_z: 4}}]\n",
+        "<file>: jobs.j.anomalies: expected settings that agree (need 0 < alert_z <= act_z),"
+        " got alert_z: 8, act_z: 4",
+        id="anomalies-act-below-alert",
     ),
     pytest.param(
-        JOB + "policies: {default: {xid_actions: {79: rollback}}}\n",
-        "<file>: policies.default.xid_actions.79: expected an action this version"
-        " carries out (alert, exec, restart, restart_exclude_gpu, stop), got 'rollback'",
-        id="xid-action-not-implemented",
+        "jobs: [{name: j, command: [t], anomalies: {window: -3}}]\n",
+        "<file>: jobs.j.anomalies.window: expected an integer >= 0, got -3",
+        id="anomalies-negative-window",
     ),
     pytest.param(
         "jobs: [{name: j, command: [t], gpus: {devices: [0, 1], min: 3}}]\n",
@@ -394,7 +395,9 @@ def test_minimal_job_gets_documented_defaults(tmp_path: Path) -> None:
     assert policy.kill_grace == 30.0
     assert policy.action_for(FaultKind.CRASH) is Action.RESTART
     assert policy.action_for(FaultKind.HANG) is Action.RESTART
-    assert policy.action_for(FaultKind.NAN_LOSS) is Action.ALERT
+    assert policy.action_for(FaultKind.NAN_LOSS) is Action.ROLLBACK
+    assert (job.anomalies.margin, job.anomalies.max_rollbacks) == (1, 3)
+    assert job.anomalies.detect == LossSettings()
     assert (config.metrics.address, config.metrics.port) == ("127.0.0.1", 9445)
     assert (job.heartbeat.required, job.heartbeat.ranks, job.heartbeat.max_ranks) == (
         False, None, 1024)
@@ -484,7 +487,7 @@ def test_example_config_loads_with_its_documented_values() -> None:
     # every detected kind is shown; gpu_xid only in a comment, so each Xid's class decides
     assert set(policy.actions) == DETECTED_KINDS - {FaultKind.GPU_XID}
     assert set(policy.actions.values()) <= {Action.ALERT, Action.RESTART, Action.STOP,
-                                             Action.RESTART_EXCLUDE_GPU}
+                                             Action.RESTART_EXCLUDE_GPU, Action.ROLLBACK}
     assert policy.xid_actions[63] is Action.ALERT and job.gpus.min == 6
 
 
@@ -535,6 +538,10 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
         "jitter",
         "reset_after",
         "actions",
+        "anomalies",
+        "margin",
+        "max_rollbacks",
+        *(f.name for f in dataclasses.fields(LossSettings)),
     }
     lines = EXAMPLE.read_text().splitlines()
     shown = {m.group(1) for line in lines if (m := re.match(r"\s*(?:- )?(\w+):", line))}
@@ -542,7 +549,7 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
     for number, line in enumerate(lines, 1):
         if line.strip() and not line.lstrip().startswith("#"):
             assert " # " in line or line.rstrip().endswith("#"), f"line {number} has no comment"
-    assert "rollback" in EXAMPLE.read_text()  # the later actions are announced
+    assert "rollback" in EXAMPLE.read_text()
 
 
 def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
@@ -556,7 +563,7 @@ def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     "content",
-    [JOB + "policies: {default: {actions: {nan_loss: rollback}}}\n", "jobs: [{name: a\n", None],
+    [JOB + "policies: {default: {actions: {oom: stop}}}\n", "jobs: [{name: a\n", None],
     ids=["bad-value", "bad-yaml", "missing-file"],
 )
 def test_check_config_cli_rejects_bad_file_with_one_line(

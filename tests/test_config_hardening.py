@@ -164,14 +164,14 @@ HOSTILE: list[object] = [
     ),
     pytest.param(
         _job(retries="3"),
-        "jobs.j.retries: expected one of checkpoints, command, env, gpus, group, heartbeat,"
-        " name, policy, resume_args, user, workdir, got an unknown key",
+        "jobs.j.retries: expected one of anomalies, checkpoints, command, env, gpus, group,"
+        " heartbeat, name, policy, resume_args, user, workdir, got an unknown key",
         id="unknown-job-key-named-by-job",
     ),
     pytest.param(
         "jobs: [{name: 'my job', command: [x], retries: 3}]\n",
-        "jobs[0].retries: expected one of checkpoints, command, env, gpus, group, heartbeat,"
-        " name, policy, resume_args, user, workdir, got an unknown key",
+        "jobs[0].retries: expected one of anomalies, checkpoints, command, env, gpus, group,"
+        " heartbeat, name, policy, resume_args, user, workdir, got an unknown key",
         id="unknown-job-key-by-index-without-a-usable-name",
     ),
     pytest.param(
@@ -452,12 +452,12 @@ def test_action_for_an_undetected_kind_is_refused(tmp_path: Path, kind: str) -> 
 
 
 def test_actions_are_accepted_for_exactly_the_detected_kinds(tmp_path: Path) -> None:
-    """crash, hang and the GPU kinds take actions; DESIGN's divergence and oom are kinds
-    that are refused (not detected yet) rather than unknown."""
+    """crash, hang, the GPU and the loss kinds take actions; DESIGN's nccl_stall and oom
+    are kinds that are refused (not detected yet) rather than unknown."""
     acts = ", ".join(f"{k.value}: alert" for k in DETECTED_KINDS)
     config = load(_write(tmp_path, JOB + f"policies: {{default: {{actions: {{{acts}}}}}}}\n"))
     assert set(config.policies["default"].actions) == set(DETECTED_KINDS)
-    for kind in ("divergence", "oom"):
+    for kind in ("nccl_stall", "oom"):
         path = _write(tmp_path, JOB + f"policies: {{default: {{actions: {{{kind}: alert}}}}}}\n")
         with pytest.raises(ConfigError, match="which no detector raises yet"):
             load(path)
@@ -614,7 +614,7 @@ def test_shipped_config_passes_check_config_and_promises_nothing_missing() -> No
     text = shipped.read_text()
     assert "DESIGN.md" not in text
     assert "log rule" not in text
-    assert not re.search(r"^\s*nan_loss:", text, re.MULTILINE)
+    assert not re.search(r"^\s*(nccl_stall|oom|log_pattern):", text, re.MULTILINE)
     for key in ("required:", "ranks:", "group:", "address: 127.0.0.1", "0.0.0.0"):
         assert key in text, key
     job = load(shipped).jobs[0]

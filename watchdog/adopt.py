@@ -52,6 +52,10 @@ def adopt_or_start(r: JobRunner) -> None:
     r.ever_beaten = rt.ever_beaten
     r.paused = rt.paused
     r.restarts = rt.restart_count
+    r.last_incident = rt.last_incident if isinstance(rt.last_incident, int) else 0
+    sk = rt.skip
+    if isinstance(sk, list) and len(sk) == 3 and all(isinstance(x, int) for x in sk):
+        r.skip = (sk[0], sk[1], sk[2])
     r.xids_seen.extend((g, now - (wall - t)) for g, t in rt.xids)
     if state in _LIVE:
         if rt.launched is None or not _adopt_attempt(r, rt):
@@ -97,11 +101,12 @@ def _recorded(r: JobRunner, attempt: int) -> int | None:
     if not rows:
         return None
     row = rows[-1]
-    at = r.clock() - max(0.0, time.time() - float(row["time"]))
-    if row["action"] in _RELAUNCHING and not any(abs(t - at) < 2.0
-                                                 for t in r.history.restarts):
-        r.history.restarts.append(at)
+    if row["action"] in _RELAUNCHING and int(row["id"]) > r.last_incident:
+        # Recorded after the state file was last written: its grant is not in the
+        # history read back (a time window cannot tell, restarts may be close).
+        r.history.restarts.append(r.clock() - max(0.0, time.time() - float(row["time"])))
         r.history.consecutive += 1
+        r.last_incident = int(row["id"])
     return int(row["id"])
 
 

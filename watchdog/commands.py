@@ -217,8 +217,18 @@ def render_checkpoints(reply: dict[str, Any]) -> str:
     if not cps:
         return f"no checkpoints for {reply['job']}"
     rows = [(str(c["step"]), "last good" if c.get("last_good") else str(c["verdict"]),
-             c["path"] + (f" ({c['why']})" if c.get("why") else "")) for c in cps]
-    return _table(("STEP", "VERDICT", "PATH"), rows)
+             _loss(c.get("health")), c["path"] + (f" ({c['why']})" if c.get("why") else ""))
+            for c in cps]
+    return _table(("STEP", "VERDICT", "LOSS", "PATH"), rows)
+
+
+def _loss(health: object) -> str:
+    """The loss when the checkpoint was reported, and how far it stood from the
+    recent mean (in standard deviations, sd); "-" when trainwatch saw none."""
+    if not isinstance(health, dict) or not isinstance(health.get("loss"), (int, float)):
+        return "-"
+    z = health.get("loss_z")
+    return f"{health['loss']:.4g}" + (f" ({z:+.1f} sd)" if isinstance(z, (int, float)) else "")
 
 
 def _reload_line(reply: dict[str, Any]) -> str:

@@ -24,12 +24,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from trainwatch import adopt, respond
+from trainwatch import adopt, anomalies, respond
 from trainwatch.actions import credentials
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.launch import launch
 from trainwatch.actions.tree import stopped_ranks
+from trainwatch.anomalies import LossFeed
 from trainwatch.config import Config, Job, socket_path
 from trainwatch.detectors import JobView
 from trainwatch.detectors import next_deadline as detector_deadline
@@ -113,6 +114,11 @@ class JobRunner:
         self.stopping: stopping.Stop | None = None
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
+        self.last_incident = 0  # the newest incident that stopped an attempt, by id
+        # After a rollback past a loss anomaly: the steps whose data the next
+        # attempts skip, and how many rollbacks came back into that window.
+        self.skip: tuple[int, int, int] | None = None
+        self.anomalies = LossFeed(job.anomalies.detect)
         self.paused = False  # the operator: keep watching, stop acting
         self.restarts = 0  # relaunches, every attempt after the first
         self.drill: DrillNotice | None = None
@@ -217,13 +223,19 @@ class JobRunner:
         return a is not None and a.tree.owns(pid, uid)
 
     def _on_report(self, obs: CheckpointReport) -> None:
-        if not self.catalog.report(obs.step, obs.path):
+        # A checkpoint written again at a quarantined step is new, if this attempt
+        # (one resumed from before the rollback) wrote it; not one being stopped.
+        live = self.state in (JobState.STARTING, JobState.RUNNING)
+        if not self.catalog.report(obs.step, obs.path, replaces_quarantined=live):
             self.reports_refused += 1
             if self.reports_refused == 1:
-                log.warning("job %s: refused a checkpoint report outside %s: %.200s",
+                log.warning("job %s: refused a checkpoint report (outside %s, or of a "
+                            "quarantined step from an attempt being stopped): %.200s",
                             self.job.name, self.job.checkpoints.dir, obs.path)
             return
         self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
+        if live:
+            self.catalog.note_health(obs.step, self.anomalies.health())
         log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step, obs.path)
 
     def _on_beats(self, beats: Sequence[Beat]) -> None:
@@ -255,6 +267,7 @@ class JobRunner:
             self.to(JobState.RUNNING, f"first heartbeat (rank {taken.rank}, step {taken.step})")
         elif new_pid:
             self.publish()
+        anomalies.check(self, beats)
 
     def _unregister(self, fd: int) -> None:
         if fd in self.sel.get_map():

@@ -134,5 +134,6 @@ def checkpoints(r: JobRunner) -> dict[str, Any]:
         verdict = ("quarantined" if e.bad and e.why.startswith("bad: quarantined")
                    else "bad" if e.bad else "good" if e.good else "unchecked")
         out.append({"step": e.step, "path": e.path, "verdict": verdict,
-                    "why": e.why, "last_good": bool(good) and e is good[-1]})
+                    "why": e.why, "last_good": bool(good) and e is good[-1],
+                    "health": r.catalog.health.get(e.step)})
     return {"job": r.job.name, "checkpoints": out}

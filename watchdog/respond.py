@@ -8,7 +8,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import hook
+from trainwatch.actions import hook, rollback
 from trainwatch.policy import choose, decide
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
@@ -88,6 +88,8 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
         observe_only=r.observing, backoff=delay,
         injected=fault.evidence.get("source") == "drill",
     )
+    if incident is not None and not r.observing and action is not Action.ALERT:
+        r.last_incident = incident  # its grant is in the history saved from now on
     ev = ", ".join(f"{k}={v}" for k, v in fault.evidence.items())
     log.warning("job %s: %s (%s) -> %s: %s", r.job.name, fault.kind.value, ev,
                 action.value, reason)
@@ -114,6 +116,11 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
         run_exec_hook(r, fault.kind.value, fault.gpu)
         r.begin_stop(JobState.FATAL, f"{fault.kind.value}: handed to the exec hook")
         return
+    if action is Action.ROLLBACK and not fatal:
+        gave_up = rollback.after_anomaly(r, fault)
+        if gave_up is not None:
+            fatal, reason = True, gave_up
+            log.error("job %s: %s: stopped", r.job.name, gave_up)
     if action is Action.STOP or fatal:
         r.begin_stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
         return

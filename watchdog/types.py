@@ -60,7 +60,8 @@ class FaultKind(str, enum.Enum):
 # for any other kind: it would promise a response to a fault nothing ever reports.
 DETECTED_KINDS = frozenset(
     {FaultKind.CRASH, FaultKind.HANG, FaultKind.GPU_XID, FaultKind.GPU_ECC,
-     FaultKind.GPU_LOST, FaultKind.GPU_THERMAL}
+     FaultKind.GPU_LOST, FaultKind.GPU_THERMAL, FaultKind.NAN_LOSS, FaultKind.LOSS_SPIKE,
+     FaultKind.GRAD_NORM_OUTLIER, FaultKind.DIVERGENCE}
 )
 
 
@@ -76,7 +77,8 @@ class Action(str, enum.Enum):
 # Actions this release can carry out; the rest are accepted by name in DESIGN
 # but arrive with later sources (loss) and are refused by the config check.
 IMPLEMENTED_ACTIONS = frozenset(
-    {Action.ALERT, Action.RESTART, Action.STOP, Action.RESTART_EXCLUDE_GPU, Action.EXEC}
+    {Action.ALERT, Action.RESTART, Action.ROLLBACK, Action.STOP, Action.RESTART_EXCLUDE_GPU,
+     Action.EXEC}
 )
 
 

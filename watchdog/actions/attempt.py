@@ -85,7 +85,7 @@ _stood_down: list[int] = []
 def job_env(
     job: Job, socket: str, attempt: int, resume_from: str | None, base: Mapping[str, str],
     gpus: list[int] | None = None, ident: Identity | None = None,
-    ring_dir: str | None = None,
+    ring_dir: str | None = None, skip: tuple[int, int] | None = None,
 ) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in SERVICE_ENV}  # systemd's, not the job's
     credentials.env_for(ident, env, job.env)
@@ -99,6 +99,8 @@ def job_env(
     env.pop(ring.ENV, None)
     if ring_dir is not None:
         env[ring.ENV] = ring_dir
+    if skip is not None:  # after a rollback past a loss anomaly: its steps' data
+        env["TRAINWATCH_SKIP_STEPS"] = f"{skip[0]}:{skip[1]}"
     if resume_from is not None:
         env["TRAINWATCH_RESUME_FROM"] = resume_from
     if gpus is not None:
@@ -141,6 +143,7 @@ class Attempt:
         gpus: list[int] | None = None,
         die_with_parent: bool = False,
         umask: int = -1,
+        skip: tuple[int, int] | None = None,
     ) -> None:
         self._common(job, number, resume_from, resumed_step, gpus)
         ident = credentials.resolve(job.user, job.group)
@@ -153,7 +156,8 @@ class Attempt:
         self.ring_dir: str | None = ring_dir(socket, job.name, number)
         if not self._make_ring_dir(ident):
             self.ring_dir = None
-        env = job_env(job, socket, number, resume_from, os.environ, gpus, ident, self.ring_dir)
+        env = job_env(job, socket, number, resume_from, os.environ, gpus, ident, self.ring_dir,
+                      skip)
         drop = ident is not None and os.geteuid() == 0  # as credentials.child_setup decides
         spec = {
             "argv": job_argv(job, resume_from, gpus), "env": env, "cwd": job.workdir,

@@ -9,7 +9,7 @@ import selectors
 import statistics
 from typing import TYPE_CHECKING
 
-from trainwatch import respond
+from trainwatch import anomalies, respond
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.catalog import Entry
@@ -51,6 +51,7 @@ def launch(r: JobRunner, reason: str) -> None:
             gpus,
             die_with_parent=r.die_with_parent,
             umask=r.umask,
+            skip=r.skip[:2] if r.skip else None,
         )
     except (OSError, KeyError) as e:  # KeyError: no such user
         why = f"no such user {r.job.user!r}"
@@ -71,6 +72,8 @@ def launch(r: JobRunner, reason: str) -> None:
     r.over_cap_before += r.ranks.over_cap  # counters that outlive an attempt
     r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
     r.intake.new_attempt(a.ring_dir)
+    r.catalog.seal_quarantine()
+    r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
     r.hang_latched = False
     r.drill = None  # a notice for the attempt before is not this one's
     reached, r.last_step = r.last_step, cp.step if cp else None

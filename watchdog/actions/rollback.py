@@ -1,14 +1,15 @@
-"""Rollback: relaunch a job from the good checkpoint of a given step, with
-every newer checkpoint quarantined (kept on disk, listed, never chosen), so
-that no later relaunch goes past it."""
+"""Rollback: relaunch a job from a good checkpoint before a point, with every
+newer checkpoint quarantined (kept on disk, listed, never chosen), so that no
+later relaunch goes past it: to a step the operator names, or to before the
+onset of a loss anomaly, with the anomalous steps' data skipped."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainwatch.actions.launch import launch
+from trainwatch.actions import launch as launching
 from trainwatch.policy import RestartHistory
-from trainwatch.types import JobState
+from trainwatch.types import Fault, JobState
 
 if TYPE_CHECKING:
     from trainwatch.job import JobRunner
@@ -31,5 +32,33 @@ def to_step(r: JobRunner, step: int, reason: str) -> str:
         r.stopping.outcome, r.stopping.delay = JobState.BACKOFF, 0.0
     else:
         r.history = RestartHistory()
-        launch(r, reason)
+        launching.launch(r, reason)
     return entry.path
+
+
+def after_anomaly(r: JobRunner, fault: Fault) -> str | None:
+    """Prepare the relaunch after a loss anomaly: quarantine every checkpoint from
+    ``anomalies.margin`` steps before its onset on (the relaunch then resumes from
+    the newest one before that, or from scratch), and skip the anomalous steps'
+    data (TRAINWATCH_SKIP_STEPS). An anomaly that comes back in the window just
+    skipped widens it; after ``max_rollbacks`` such tries, a reason to stop."""
+    spec = r.job.anomalies
+    onset = fault.onset_step if fault.onset_step is not None else r.last_step or 0
+    noticed = fault.evidence.get("noticed_step")
+    end = max(onset, noticed if isinstance(noticed, int) else onset)
+    start, tries = onset, 1
+    old = r.skip
+    width = old[1] - old[0] + 1 if old is not None else 0
+    if old is not None and old[0] - width <= onset <= old[1] + width:
+        # Back in (or right beside) the window skipped last time: skip twice as much.
+        start, end, tries = max(0, min(old[0], onset) - width), max(old[1], end) + width, old[2] + 1
+    if tries > spec.max_rollbacks:
+        return (f"{fault.kind.value} came back after {spec.max_rollbacks} rollbacks around "
+                f"steps {start}-{end}")
+    before = onset - spec.margin
+    target = r.catalog.last_good(before_step=before)
+    r.catalog.quarantine_after(target.step if target else -1,
+                               f"{fault.kind.value} from step {onset}")
+    r.skip = (start, end, tries)
+    r.save()
+    return None

@@ -198,6 +198,13 @@ def ranks(v: object) -> int | None:
     return n
 
 
+def positive_number(v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 \
+            or v == float("inf"):
+        raise ValueError(v)
+    return float(v)
+
+
 def port(v: object) -> int:
     n = natural(v)
     if not 0 <= n < 65536:
@@ -255,6 +262,7 @@ NAME = "a name of letters, digits, '_', '.', '-' (at most 63)"
 NATURAL = "an integer >= 0"
 POSITIVE = "an integer >= 1"
 FACTOR = "a number from 1 to 1000"
+POSITIVE_NUMBER = "a finite number > 0"
 USER = f"a user name, or a uid from 0 to {MAX_ID}"
 GROUP = f"a group name, or a gid from 0 to {MAX_ID}"
 RANKS = f"an integer from 1 to {MAX_RANKS} (the job's world size), or null"
@@ -271,6 +279,7 @@ CHECKS: dict[str, Any] = {
     GROUP: group,
     "a port number 1-65535, or 0 for off": port,
     FACTOR: factor,
+    POSITIVE_NUMBER: positive_number,
     "a fraction 0 <= x < 1": fraction,
     "true or false": boolean,
     NAME: name,

@@ -7,6 +7,7 @@ what was expected and what was found.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from trainwatch.config import fields
 from trainwatch.config.fields import Refused, Said, show
 from trainwatch.config.schema import (
     DEFAULT_ACTIONS,
+    Anomalies,
     Backoff,
     Checkpoints,
     Config,
@@ -29,6 +31,7 @@ from trainwatch.config.schema import (
     check_socket_paths,
     default_dirs,
 )
+from trainwatch.detectors.loss import LossSettings
 from trainwatch.detectors.xid import Immediate
 from trainwatch.types import DETECTED_KINDS, IMPLEMENTED_ACTIONS, Action, FaultKind
 
@@ -260,7 +263,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
     usable = isinstance(said, str) and fields.NAME_RE.match(said) and said not in seen
     m = r.mapping(raw, f"jobs.{said}" if usable else f"jobs[{i}]", {
         "name", "command", "workdir", "user", "group", "env", "resume_args", "checkpoints",
-        "heartbeat", "policy", "gpus",
+        "heartbeat", "policy", "gpus", "anomalies",
     })
     if not m:
         raise r.fail(f"jobs[{i}]", "a mapping with name and command", raw)
@@ -333,7 +336,32 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         checkpoints=checkpoints,
         heartbeat=heartbeat,
         policy=policy,
+        anomalies=_anomalies(r, m.get("anomalies"), f"{path}.anomalies"),
     )
+
+
+def _anomalies(r: Reader, raw: object, path: str) -> Anomalies:
+    """``anomalies:``: each detector setting by its name in LossSettings (a kind
+    true/false, a count, a threshold), plus the rollback's margin and tries."""
+    d = LossSettings()
+    names = [f.name for f in dataclasses.fields(LossSettings)]
+    m = r.mapping(raw, path, {*names, "margin", "max_rollbacks"})
+    values: dict[str, Any] = {}
+    for name in names:
+        default = getattr(d, name)
+        kind = ("true or false" if isinstance(default, bool) else
+                fields.NATURAL if isinstance(default, int) else fields.POSITIVE_NUMBER)
+        values[name] = r.get(m, name, path, kind, default)
+    try:
+        detect = LossSettings(**values)
+    except ValueError as e:  # settings that contradict each other (act below alert)
+        raise r.fail(path, f"settings that agree ({e})",
+                     Said(", ".join(f"{k}: {v}" for k, v in m.items()))) from None
+    a = Anomalies()
+    return Anomalies(detect=detect,
+                     margin=r.get(m, "margin", path, fields.NATURAL, a.margin),
+                     max_rollbacks=r.get(m, "max_rollbacks", path, fields.POSITIVE,
+                                         a.max_rollbacks))
 
 
 def check_command(command: Sequence[str], backend: str, where: Any) -> None:

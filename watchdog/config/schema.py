@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainwatch.config.fields import show
+from trainwatch.detectors.loss import LossSettings
 from trainwatch.types import Action, FaultKind
 
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
@@ -36,6 +37,12 @@ DEFAULT_ACTIONS: Mapping[FaultKind, Action] = {
     FaultKind.GPU_LOST: Action.RESTART_EXCLUDE_GPU,
     FaultKind.GPU_ECC: Action.ALERT,  # a fatal ECC error also raises an Xid (48, 94, 95)
     FaultKind.GPU_THERMAL: Action.ALERT,
+    # A loss anomaly the detector calls sustained (level act); a transient spike is
+    # only ever an alert, whatever this says.
+    FaultKind.NAN_LOSS: Action.ROLLBACK,
+    FaultKind.LOSS_SPIKE: Action.ROLLBACK,
+    FaultKind.GRAD_NORM_OUTLIER: Action.ROLLBACK,
+    FaultKind.DIVERGENCE: Action.ROLLBACK,
 }
 
 
@@ -99,6 +106,20 @@ class Checkpoints:
 
 
 @dataclass(frozen=True)
+class Anomalies:
+    """A job's loss and grad-norm watch (detectors/loss.py) and its rollbacks."""
+
+    detect: LossSettings = field(default_factory=LossSettings)
+    # Resume from the newest good checkpoint more than this many steps before the
+    # onset. 1: the checkpoint of the step just before the onset holds the weights
+    # that produced the first anomalous loss (a blown-up update ruins them a step
+    # before the loss shows it); PaLM went back about 100 steps.
+    margin: int = 1
+    # Rollbacks into the same window (each skipping a wider one) before the job is stopped.
+    max_rollbacks: int = 3
+
+
+@dataclass(frozen=True)
 class Job:
     name: str
     command: tuple[str, ...]
@@ -111,6 +132,7 @@ class Job:
     policy: str = "default"
     gpus: Gpus = field(default_factory=lambda: Gpus())
     group: str | None = None  # the job's primary group; None: the user's own
+    anomalies: Anomalies = field(default_factory=Anomalies)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from trainwatch.config import Checkpoints
 from trainwatch.state import atomic, statewrites
@@ -81,6 +82,9 @@ MAX_PATH = 4096
 SAVE_EVERY = 1.0
 
 
+QUARANTINED = "quarantined: "
+
+
 class Catalog:
     def __init__(
         self,
@@ -106,11 +110,23 @@ class Catalog:
             state = {}
         self.reported: dict[int, str] = {int(k): v for k, v in state.get("reported", {}).items()}
         self.bad: dict[int, str] = {int(k): v for k, v in state.get("bad", {}).items()}
+        # Set by a rollback until the next attempt starts: every checkpoint after
+        # this step is quarantined, also one the stopped attempt writes meanwhile.
+        fence = state.get("fence")
+        self.fence: tuple[int, str] | None = (
+            (int(fence[0]), str(fence[1])) if isinstance(fence, list) and len(fence) == 2
+            and isinstance(fence[0], int) else None)
         self._dirty = False
         self._saved_at = -SAVE_EVERY
         self.failed_starts: dict[int, int] = {
             int(k): int(v) for k, v in state.get("failed_starts", {}).items()
         }
+        # The training's health when each checkpoint was reported (loss, grad norm
+        # and their recent statistics): "good" also means taken while it was healthy.
+        raw_health = state.get("health", {})
+        self.health: dict[int, dict[str, Any]] = {
+            int(k): v for k, v in raw_health.items() if isinstance(v, dict)
+        } if isinstance(raw_health, dict) else {}
 
     def _save(self) -> None:
         try:
@@ -123,7 +139,8 @@ class Catalog:
         atomic.write_json(
             self.state_file,
             {"owner": self.owner, "reported": self.reported, "bad": self.bad,
-             "failed_starts": self.failed_starts},
+             "failed_starts": self.failed_starts, "health": self.health,
+             "fence": list(self.fence) if self.fence else None},
         )
 
     def step_of(self, path: str) -> int | None:
@@ -152,6 +169,9 @@ class Catalog:
             path = found[step]
             complete, why = self._complete(step, path, now)
             verdict: str = why
+            if self.fence is not None and step > self.fence[0] and step not in self.bad:
+                self.bad[step] = f"{QUARANTINED}{self.fence[1]}"
+                self._dirty = True
             bad = step in self.bad
             if bad:
                 verdict = f"bad: {self.bad[step]}"
@@ -196,12 +216,18 @@ class Catalog:
 
     # --- what the supervisor tells us ---------------------------------------
 
-    def report(self, step: int, path: str) -> bool:
+    def report(self, step: int, path: str, replaces_quarantined: bool = False) -> bool:
         """The job said this checkpoint is complete. False when the report is
-        refused: a path outside ``checkpoints.dir`` (or too long)."""
+        refused: a path outside ``checkpoints.dir`` (or too long), or a step in
+        quarantine unless ``replaces_quarantined`` (written anew after a rollback)."""
         if len(path) > MAX_PATH or (self.spec.dir is not None
                                     and os.path.dirname(path) != self.spec.dir):
             return False
+        if self.bad.get(step, "").startswith(QUARANTINED):
+            if not replaces_quarantined:
+                return False
+            del self.bad[step]
+            self._dirty = True
         if self.reported.get(step) != path:
             self.reported[step] = path
             while len(self.reported) > MAX_REPORTS:
@@ -209,6 +235,14 @@ class Catalog:
             self._dirty = True
             self.flush()
         return True
+
+    def note_health(self, step: int, health: dict[str, Any]) -> None:
+        """The loss statistics at the step of a checkpoint just reported (saved with
+        the next write of the catalog)."""
+        self.health[step] = health
+        while len(self.health) > MAX_REPORTS:
+            del self.health[min(self.health)]
+        self._dirty = True
 
     def flush(self, force: bool = False) -> None:
         """Write pending reports, at most once per SAVE_EVERY unless forced."""
@@ -220,10 +254,17 @@ class Catalog:
     def quarantine_after(self, step: int, why: str) -> None:
         """Checkpoints newer than ``step`` are never resumed from again (a rollback
         past them); kept on disk, never deleted."""
-        for e in self.entries():
-            if e.step > step and e.step not in self.bad:
-                self.bad[e.step] = f"quarantined: {why}"
+        self.fence = (step, why)
+        self.entries()  # marks those on disk now
         self._save()
+
+    def seal_quarantine(self) -> None:
+        """The next attempt has started (the one quarantined is gone): what it
+        writes from now on is its own, judged afresh."""
+        if self.fence is not None:
+            self.entries()
+            self.fence = None
+            self._save()
 
     def start_failed(self, step: int) -> bool:
         """The job died before its first beat after resuming from ``step``.

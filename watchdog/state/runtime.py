@@ -44,6 +44,8 @@ class Runtime:
     xids: list[tuple[int | None, float]] = field(default_factory=list)
     paused: bool = False  # the operator: keep watching, stop acting
     restart_count: int = 0
+    skip: list[int] | None = None  # after a rollback: start, end, rollbacks into it
+    last_incident: int = 0  # the newest stopping incident whose grant ``restarts`` holds
     saved_at: float = 0.0
     v: int = VERSION
 
@@ -75,6 +77,8 @@ def of(r: JobRunner) -> Runtime:
         xids=[(g, wall - (now - t)) for g, t in r.xids_seen],
         paused=r.paused,
         restart_count=r.restarts,
+        skip=list(r.skip) if r.skip else None,
+        last_incident=r.last_incident,
     )
 
 

@@ -1,0 +1,89 @@
+"""A job's loss and gradient-norm watch: the values its beats carry go to the
+detectors (detectors/loss.py), and what they find becomes a fault for
+respond.py. A transient anomaly is an alert whatever the policy says; a
+sustained one (level ``act``) gets the policy's action, a rollback by default
+(actions/rollback.py).
+
+Which values: the statistics follow one rank (the first to report values,
+rank 0 under torchrun: ranks of a data-parallel job log the same reduced
+loss), while a non-finite value from any rank is a ``nan_loss`` at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from trainwatch import respond
+from trainwatch.detectors.loss import Anomaly, LossSettings, LossWatch
+from trainwatch.types import Action, Beat, Fault, FaultKind, JobState
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
+
+
+def _finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
+
+
+class LossFeed:
+    """The detectors' state for one attempt, and which rank feeds them."""
+
+    def __init__(self, settings: LossSettings) -> None:
+        self.settings = settings
+        self.watch = LossWatch(settings)
+        self.lead: int | None = None
+        self.last: tuple[float | None, float | None] = (None, None)  # the lead's values
+        self._in_nan: set[int] = set()  # other ranks inside a run of non-finite values
+
+    def observe(self, beats: Sequence[Beat]) -> list[tuple[Anomaly, Beat]]:
+        found: list[tuple[Anomaly, Beat]] = []
+        for b in beats:
+            if b.loss is None and b.grad_norm is None:
+                continue
+            if self.lead is None:
+                self.lead = b.rank
+            if b.rank == self.lead:
+                self.last = (b.loss, b.grad_norm)
+                found += [(an, b) for an in self.watch.observe(b.step, b.loss, b.grad_norm)]
+            elif _finite(b.loss) and _finite(b.grad_norm):
+                self._in_nan.discard(b.rank)
+            elif self.settings.nan_loss and b.rank not in self._in_nan:
+                self._in_nan.add(b.rank)  # one nan_loss per run of them, as for the lead
+                bad = b.loss if not _finite(b.loss) else b.grad_norm
+                assert bad is not None
+                what = "loss" if not _finite(b.loss) else "grad_norm"
+                found.append((Anomaly("nan_loss", "act", b.step, b.step, bad,
+                                      {"series": what, "rank": b.rank}), b))
+        return found
+
+
+    def health(self) -> dict[str, float | int | None]:
+        """The lead's last values and the detectors' statistics (for the catalog);
+        ``loss_z``: the last loss's distance from the recent median, in its noise."""
+        h = self.watch.health()
+        loss, grad = self.last
+        med, noise = h.get("loss_median"), h.get("loss_noise")
+        z = None
+        if loss is not None and loss > 0 and math.isfinite(loss) and med and noise:
+            z = (math.log(loss) - math.log(med)) / noise
+        return {"loss": loss if loss is None or math.isfinite(loss) else None,
+                "grad_norm": grad if grad is None or math.isfinite(grad) else None,
+                "loss_z": z, **h}
+
+
+def check(r: JobRunner, beats: Sequence[Beat]) -> None:
+    """Feed a batch of beats; act on the first sustained anomaly (the job is
+    then being stopped: the rest of the batch is its own past)."""
+    for an, b in r.anomalies.observe(beats):
+        if r.state not in (JobState.STARTING, JobState.RUNNING):
+            return
+        evidence: dict[str, object] = {**an.evidence, "value": an.value, "noticed_step": an.step,
+                                       "level": an.level}
+        fault = Fault(FaultKind(an.kind), r.job.name, onset=b.at, evidence=evidence,
+                      rank=b.rank, onset_step=an.onset)
+        if an.level != "act":
+            respond.handle(r, fault, Action.ALERT)
+            continue
+        respond.handle(r, fault)
