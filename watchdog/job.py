@@ -226,7 +226,9 @@ class JobRunner:
         # A checkpoint written again at a quarantined step is new, if this attempt
         # (one resumed from before the rollback) wrote it; not one being stopped.
         live = self.state in (JobState.STARTING, JobState.RUNNING)
-        if not self.catalog.report(obs.step, obs.path, replaces_quarantined=live):
+        health = self.anomalies.health() if live else None
+        if not self.catalog.report(obs.step, obs.path, replaces_quarantined=live,
+                                   health=health):
             self.reports_refused += 1
             if self.reports_refused == 1:
                 log.warning("job %s: refused a checkpoint report (outside %s, or of a "
@@ -234,8 +236,6 @@ class JobRunner:
                             self.job.name, self.job.checkpoints.dir, obs.path)
             return
         self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
-        if live:
-            self.catalog.note_health(obs.step, self.anomalies.health())
         log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step, obs.path)
 
     def _on_beats(self, beats: Sequence[Beat]) -> None:

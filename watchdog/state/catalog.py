@@ -216,8 +216,10 @@ class Catalog:
 
     # --- what the supervisor tells us ---------------------------------------
 
-    def report(self, step: int, path: str, replaces_quarantined: bool = False) -> bool:
-        """The job said this checkpoint is complete. False when the report is
+    def report(self, step: int, path: str, replaces_quarantined: bool = False,
+               health: dict[str, Any] | None = None) -> bool:
+        """The job said this checkpoint is complete (``health``: the training's
+        statistics at its step, recorded with it). False when the report is
         refused: a path outside ``checkpoints.dir`` (or too long), or a step in
         quarantine unless ``replaces_quarantined`` (written anew after a rollback)."""
         if len(path) > MAX_PATH or (self.spec.dir is not None
@@ -228,21 +230,18 @@ class Catalog:
                 return False
             del self.bad[step]
             self._dirty = True
+        if health is not None:
+            self.health[step] = health
+            while len(self.health) > MAX_REPORTS:
+                del self.health[min(self.health)]
+            self._dirty = True
         if self.reported.get(step) != path:
             self.reported[step] = path
             while len(self.reported) > MAX_REPORTS:
                 del self.reported[min(self.reported)]
             self._dirty = True
-            self.flush()
+            self.flush()  # at once: a new checkpoint (health alone waits for the next)
         return True
-
-    def note_health(self, step: int, health: dict[str, Any]) -> None:
-        """The loss statistics at the step of a checkpoint just reported (saved with
-        the next write of the catalog)."""
-        self.health[step] = health
-        while len(self.health) > MAX_REPORTS:
-            del self.health[min(self.health)]
-        self._dirty = True
 
     def flush(self, force: bool = False) -> None:
         """Write pending reports, at most once per SAVE_EVERY unless forced."""
