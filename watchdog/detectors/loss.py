@@ -325,24 +325,21 @@ class LossWatch:
         # grad norm is NaN was computed before that update, and is real.
         if lok:
             assert loss is not None
-            sp = self._loss
-            a = sp.observe(s, step, loss, s.loss_spike)
-            if sp.run:
-                self._outlier(step)
-            if a is not None:
-                out.append(a)
-            d = self._div.observe(s, step, loss, sp.sig, sp.n, s.divergence)
+            self._spike(self._loss, step, loss, s.loss_spike, out)
+            d = self._div.observe(s, step, loss, self._loss.sig, self._loss.n, s.divergence)
             if d is not None:
                 out.append(d)
         if gok:
             assert grad_norm is not None
-            sp = self._grad
-            a = sp.observe(s, step, grad_norm, s.grad_norm_outlier)
-            if sp.run:
-                self._outlier(step)
-            if a is not None:
-                out.append(a)
+            self._spike(self._grad, step, grad_norm, s.grad_norm_outlier, out)
         return out
+
+    def _spike(self, sp: _Spikes, step: int, x: float, on: bool, out: list[Anomaly]) -> None:
+        a = sp.observe(self.settings, step, x, on)
+        if sp.run:
+            self._outlier(step)
+        if a is not None:
+            out.append(a)
 
     def _outlier(self, step: int) -> None:
         if self.last_outlier_step != step:
