@@ -50,6 +50,27 @@ def _xid(text: str) -> int:
     return n
 
 
+def _scale(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = 0.0
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number such as 100, got {text!r}")
+    return x
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 100_000:
+        raise argparse.ArgumentTypeError(f"expected a number of steps from 1 to 100000, "
+                                         f"got {text!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="faultinject", description="Inject faults into a supervised job.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -66,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     common(h)
     h.add_argument("--rank", type=int)
     h.add_argument("--seconds", type=_seconds, help="resume it after this long")
+
+    n = sub.add_parser("nan", help="a non-finite loss at the job's current step (nan_loss)")
+    common(n)
+    g = sub.add_parser("grad-spike", help="the job's grad norm x SCALE for N steps "
+                                          "(grad_norm_outlier)")
+    common(g)
+    g.add_argument("--scale", type=_scale, help="times the job's grad norm (default 100)")
+    g.add_argument("--steps", type=_count, help="consecutive steps (default: the job's "
+                                                "act_run, enough to act)")
 
     def gpu(sp: argparse.ArgumentParser, required: bool = True) -> None:
         sp.add_argument("--gpu", type=_index, required=required, help="the GPU's NVML index")
@@ -144,6 +174,19 @@ def _gpu_drill(args: argparse.Namespace) -> str:
     return f"faultinject: injected {what}; {_said(reply)}"
 
 
+def _loss_drill(state_dir: str, args: argparse.Namespace) -> str:
+    """Carry out ``nan`` or ``grad-spike``; the line that says what trainwatch found."""
+    scale, steps = (args.scale, args.steps) if args.cmd == "grad-spike" else (None, None)
+    reply = drills.loss(state_dir, args.job, args.cmd, scale, steps)
+    first, last = reply.get("steps") or ["?", "?"]
+    if args.cmd == "nan":
+        what = f"a NaN loss at step {first}"
+    else:
+        what = f"grad norm x {scale or 100:g} at steps {first}-{last}"
+    found = ", ".join(reply.get("found") or []) or "nothing (no detector fired)"
+    return f"faultinject: injected {what} of job {args.job}; trainwatch found: {found}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -152,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         state_dir = args.state_dir or (load(args.config).state_dir if args.config
                                        else default_dirs()[0])
+        if args.cmd in ("nan", "grad-spike"):
+            print(_loss_drill(state_dir, args))
+            return 0
         if args.cmd == "crash":
             done = drills.crash(state_dir, args.job, args.rank)
         else:

@@ -7,8 +7,9 @@ job's lock and the process is proven the job's through a pidfd (identity.py).
 
 GPU drills reach the running trainwatch over its control socket in ``run_dir``
 (``trainwatch.control``), which hands them to the GPU source to be handled like
-a real fault; the kernel-log drill instead appends a real-format ``NVRM: Xid``
-line to a text file that trainwatch tails.
+a real fault; loss drills (``nan``, ``grad-spike``) likewise, to the job's
+loss detectors as observations marked injected. The kernel-log drill instead
+appends a real-format ``NVRM: Xid`` line to a text file that trainwatch tails.
 """
 
 from __future__ import annotations
@@ -190,6 +191,53 @@ def hang(state_dir: str, job: str, rank: int | None = None,
         for fd in fds.values():
             os.close(fd)
     return Done("SIGSTOP", stopped, what, why)
+
+
+# --- loss drills --------------------------------------------------------------
+
+
+def loss(state_dir: str, job: str, kind: str, scale: float | None = None,
+         steps: int | None = None) -> dict[str, Any]:
+    """``nan`` or ``grad-spike``: trainwatch injects the values into the job's loss
+    feed, marked injected, and acts on what its detectors decide (any job: no
+    process is touched). Its reply: the steps injected and the anomalies found."""
+    s = job_status(state_dir, job)
+    run_dir = s.get("run_dir")
+    if not isinstance(run_dir, str):
+        raise DrillError(f"job {job!r}: its status names no run_dir")
+    args: dict[str, Any] = {"job": job, "kind": kind}
+    if scale is not None:
+        args["scale"] = scale
+    if steps is not None:
+        args["steps"] = steps
+    try:
+        reply = control.request(run_dir, "drill", args)
+    except control.ControlError as e:
+        raise DrillError(str(e)) from None
+    if not reply.get("ok"):
+        why = str(reply.get("error") or "no reason given").removeprefix("drill: ")
+        raise DrillError(f"trainwatch refused it: {why}")
+    return reply
+
+
+# What the bundled demo trainer does on each signal (trainwatch.demo.trainer).
+TRAINER_SIGNALS = {"nan": signal.SIGUSR1, "grad-spike": signal.SIGUSR2}
+
+
+def in_trainer(state_dir: str, job: str, kind: str) -> Done:
+    """Tell a trainer that handles them (the bundled demo trainer) to break
+    itself for real: SIGUSR1, NaN weights; SIGUSR2, a scaled gradient. Sent to
+    the job's leader once it is proven the job's; a process without a handler
+    would die of it, so this is for such trainers only."""
+    sig = TRAINER_SIGNALS[kind]
+    s = job_status(state_dir, job)
+    pid = int(s["pid"])
+    fd = _open(identity.Owner(s), pid)
+    try:
+        _send(fd, pid, sig)
+    finally:
+        os.close(fd)
+    return Done(signal.Signals(sig).name, [pid], f"the trainer (pid {pid})")
 
 
 # --- GPU drills ---------------------------------------------------------------

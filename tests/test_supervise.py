@@ -353,8 +353,11 @@ def test_a_second_trainwatch_for_the_same_job_is_refused(ws: Workspace) -> None:
     assert first.poll() is None  # the first one is untouched
 
 
-def test_demo_recovers_from_a_crash_and_a_hang() -> None:
-    """`trainwatch demo` injects both faults, recovers, and proves continuity (exit 0)."""
+def test_demo_recovers_from_a_crash_a_hang_an_xid_and_a_spike() -> None:
+    """`trainwatch demo` injects its faults, recovers, and proves continuity (exit 0):
+    the gradient spike is rolled back to before its onset, the checkpoint after it
+    quarantined, its window skipped, and the final weights equal a fault-free run's
+    that skips the same window."""
     p = subprocess.run(
         [sys.executable, "-m", "trainwatch.cli", "demo"],
         capture_output=True,
@@ -367,7 +370,13 @@ def test_demo_recovers_from_a_crash_and_a_hang() -> None:
     assert "incident 2: hang (rank 0 silent" in p.stdout
     assert "incident 3: Xid 79 on GPU 1" in p.stdout
     assert "relaunched on  GPUs 0,2,3 (GPU 1 excluded)" in p.stdout
-    assert "== an uninterrupted run's" in p.stdout and "demo passed" in p.stdout
+    assert "incident 4: grad_norm_outlier (grad_norm " in p.stdout
+    assert "acted          rollback at step" in p.stdout
+    assert "rolled back to step_600.npz (step 600)" in p.stdout
+    assert "quarantined    step_650.npz (kept on disk)" in p.stdout
+    assert "attempt 4 was given TRAINWATCH_SKIP_STEPS=" in p.stdout
+    assert "== an uninterrupted, fault-free run's, skipping steps" in p.stdout
+    assert "demo passed" in p.stdout
 
 
 def test_daemon_supervises_every_job_of_its_config(ws: Workspace) -> None:

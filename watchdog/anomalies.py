@@ -73,17 +73,70 @@ class LossFeed:
                 "loss_z": z, **h}
 
 
-def check(r: JobRunner, beats: Sequence[Beat]) -> None:
+def check(r: JobRunner, beats: Sequence[Beat], drill: bool = False) -> list[str]:
     """Feed a batch of beats; act on the first sustained anomaly (the job is
-    then being stopped: the rest of the batch is its own past)."""
+    then being stopped: the rest of the batch is its own past). What was found,
+    as "kind level". An attempt that has exited is judged by its exit, not by
+    the last values drained after it."""
+    found: list[str] = []
+    a = r.attempt
     for an, b in r.anomalies.observe(beats):
-        if r.state not in (JobState.STARTING, JobState.RUNNING):
-            return
+        if r.state not in (JobState.STARTING, JobState.RUNNING) or (
+                a is not None and a.returncode is not None):
+            break
+        found.append(f"{an.kind} {an.level}")
         evidence: dict[str, object] = {**an.evidence, "value": an.value, "noticed_step": an.step,
                                        "level": an.level}
+        if drill:
+            evidence["source"] = "drill"
         fault = Fault(FaultKind(an.kind), r.job.name, onset=b.at, evidence=evidence,
                       rank=b.rank, onset_step=an.onset)
-        if an.level != "act":
-            respond.handle(r, fault, Action.ALERT)
-            continue
-        respond.handle(r, fault)
+        respond.handle(r, fault, Action.ALERT if an.level != "act" else None)
+    return found
+
+
+def inject(r: JobRunner, kind: object, scale: object = None, steps: object = None
+           ) -> dict[str, object]:
+    """A drill (``faultinject nan | grad-spike``): observations marked injected
+    (evidence ``source: drill``) enter the job's loss feed as the lead rank's,
+    and what the detectors decide is handled as a real fault: ``nan``, one
+    non-finite loss; ``grad-spike``, the lead's grad norm x ``scale`` (100) for
+    ``steps`` steps (the job's ``act_run``: enough to act). They take the steps
+    from the one being trained now (the last beaten + 1; the watch ignores
+    repeats, so the job's own beats of those steps are not seen). A ValueError
+    says why not, in one line."""
+    name = r.job.name
+    if r.state not in (JobState.STARTING, JobState.RUNNING):
+        raise ValueError(f"job {name} is {r.state.value if r.state else 'not started'}, "
+                         "not running")
+    feed, s = r.anomalies, r.anomalies.settings
+    first = max(feed.watch.last_step or 0, r.last_step or 0) + 1
+    values: list[tuple[float | None, float | None]]
+    if kind == "nan":
+        if not s.nan_loss:
+            raise ValueError(f"job {name}: nan_loss detection is off")
+        values = [(math.nan, None)]
+    elif kind == "grad-spike":
+        x = 100.0 if scale is None else scale
+        n = s.act_run if steps is None else steps
+        if isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x < math.inf:
+            raise ValueError(f"expected a positive scale, got {x!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 100_000:
+            raise ValueError(f"expected steps from 1 to 100000, got {n!r}")
+        if not s.grad_norm_outlier:
+            raise ValueError(f"job {name}: grad_norm_outlier detection is off")
+        h = feed.watch.health()
+        seen, base = h["grad_norm_n"] or 0, h["grad_norm_median"]
+        if base is None or seen <= s.warmup_steps:
+            raise ValueError(f"job {name} has no grad-norm statistics yet (warm-up: {seen} of "
+                             f"{s.warmup_steps} observations); try again later")
+        last = feed.last[1]
+        g = (last if last is not None and math.isfinite(last) and last > 0 else base) * x
+        values = [(None, g)] * n
+    else:
+        raise ValueError(f"expected kind nan or grad-spike, got {kind!r}")
+    rank, now = feed.lead if feed.lead is not None else 0, r.clock()
+    beats = [Beat(rank, first + i, now, 0, loss, grad) for i, (loss, grad) in enumerate(values)]
+    found = check(r, beats, drill=True)
+    return {"job": name, "kind": kind, "steps": [first, first + len(values) - 1],
+            "found": found}

@@ -109,7 +109,9 @@ class Intake:
         now = self.clock()
         n = 0
         writer_clock = self._writer_clock
-        for rd in self.readers.values():
+        for rd in list(self.readers.values()):  # a beat may end the attempt (and clear them)
+            if self.ring_dir is None:
+                break
             records = rd.read()
             if records:
                 self.on_beats([Beat(r.rank, r.step, min(r.t, now) if writer_clock else now,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from trainwatch import operations
+from trainwatch import anomalies, operations
 from trainwatch.actions import credentials, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.control import ControlSocket
@@ -229,7 +229,7 @@ class Supervisor:
         handled exactly like the real fault."""
         if op in operations.OPS:
             return operations.answer(self, op, args)
-        if op == "drill":  # a crash or hang faultinject is about to inject
+        if op == "drill":  # a crash or hang faultinject is about to inject, or a loss drill
             return self._on_drill(args)
         if self.gpus is None:
             raise ValueError("GPU monitoring is off (gpu.backend: off)")
@@ -254,9 +254,16 @@ class Supervisor:
         return {"injected": op, "gpu": gpu}
 
     def _on_drill(self, args: dict[str, Any]) -> dict[str, Any]:
+        """A crash or hang faultinject is about to inject (noted, so that the fault
+        is marked injected), or a loss drill, injected into the job's loss feed."""
         job, kind, pids = args.get("job"), args.get("kind"), args.get("pids", [])
+        if kind in ("nan", "grad-spike"):
+            for r in self.runners:
+                if r.job.name == job:
+                    return anomalies.inject(r, kind, args.get("scale"), args.get("steps"))
+            raise ValueError(f"no job named {job!r} here")
         if kind not in ("crash", "hang"):
-            raise ValueError(f"expected kind crash or hang, got {kind!r}")
+            raise ValueError(f"expected kind crash, hang, nan or grad-spike, got {kind!r}")
         if not isinstance(pids, list) or not all(
                 isinstance(p, int) and not isinstance(p, bool) for p in pids):
             raise ValueError("expected pids as a list of integers")
