@@ -16,8 +16,9 @@ from conftest import Workspace, finish, wait_for
 from trainwatch.sources import ring
 
 # Forks `ranks` processes; each beats `steps` times as fast as it can (a loss
-# falling as 1 / step: a healthy curve), waits for the file `release` (well within the hang timeout), beats
-# once more and exits 0: the final status.json then counts everything.
+# falling as 1 / step: a healthy curve), waits for the file `release` (well
+# within the hang timeout), beats once more and exits 0: the final status.json
+# then counts everything.
 _JOB = textwrap.dedent(
     """
     import os, sys, time
