@@ -563,7 +563,7 @@ def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize(
     "content",
-    [JOB + "policies: {default: {actions: {oom: stop}}}\n", "jobs: [{name: a\n", None],
+    [JOB + "policies: {default: {actions: {crash: reboot}}}\n", "jobs: [{name: a\n", None],
     ids=["bad-value", "bad-yaml", "missing-file"],
 )
 def test_check_config_cli_rejects_bad_file_with_one_line(

@@ -165,13 +165,13 @@ HOSTILE: list[object] = [
     pytest.param(
         _job(retries="3"),
         "jobs.j.retries: expected one of anomalies, checkpoints, command, env, gpus, group,"
-        " heartbeat, name, policy, resume_args, user, workdir, got an unknown key",
+        " heartbeat, logs, name, policy, resume_args, user, workdir, got an unknown key",
         id="unknown-job-key-named-by-job",
     ),
     pytest.param(
         "jobs: [{name: 'my job', command: [x], retries: 3}]\n",
         "jobs[0].retries: expected one of anomalies, checkpoints, command, env, gpus, group,"
-        " heartbeat, name, policy, resume_args, user, workdir, got an unknown key",
+        " heartbeat, logs, name, policy, resume_args, user, workdir, got an unknown key",
         id="unknown-job-key-by-index-without-a-usable-name",
     ),
     pytest.param(
@@ -436,31 +436,16 @@ def test_parse_duration_bound_is_exactly_ten_years() -> None:
             parse_duration(value)
 
 
-@pytest.mark.parametrize(
-    "kind", sorted(k.value for k in FaultKind if k not in DETECTED_KINDS)
-)
-def test_action_for_an_undetected_kind_is_refused(tmp_path: Path, kind: str) -> None:
-    """An action for a fault kind no detector raises is refused, saying so."""
-    path = _write(tmp_path, JOB + f"policies: {{default: {{actions: {{{kind}: alert}}}}}}\n")
-    detected = ", ".join(sorted(k.value for k in DETECTED_KINDS))
-    with pytest.raises(ConfigError) as caught:
-        load(path)
-    assert str(caught.value) == (
-        f"{path}: policies.default.actions.{kind}: expected a fault kind this version detects"
-        f" ({detected}), got {kind}, which no detector raises yet"
-    )
-
-
 def test_actions_are_accepted_for_exactly_the_detected_kinds(tmp_path: Path) -> None:
-    """crash, hang, the GPU and the loss kinds take actions; DESIGN's nccl_stall and oom
-    are kinds that are refused (not detected yet) rather than unknown."""
+    """Every kind DESIGN names is detected now (the log rules raise nccl_stall, oom and
+    log_pattern) and takes an action; a kind DESIGN does not name is an unknown key."""
     acts = ", ".join(f"{k.value}: alert" for k in DETECTED_KINDS)
     config = load(_write(tmp_path, JOB + f"policies: {{default: {{actions: {{{acts}}}}}}}\n"))
     assert set(config.policies["default"].actions) == set(DETECTED_KINDS)
-    for kind in ("nccl_stall", "oom"):
-        path = _write(tmp_path, JOB + f"policies: {{default: {{actions: {{{kind}: alert}}}}}}\n")
-        with pytest.raises(ConfigError, match="which no detector raises yet"):
-            load(path)
+    assert set(FaultKind) == DETECTED_KINDS
+    path = _write(tmp_path, JOB + "policies: {default: {actions: {gpu_melted: alert}}}\n")
+    with pytest.raises(ConfigError, match="got an unknown key"):
+        load(path)
 
 
 def test_num_gpus_without_gpus_is_refused(tmp_path: Path) -> None:
@@ -606,15 +591,15 @@ def test_iso_formatter_formats_a_record_in_utc_offset_form() -> None:
 
 
 def test_shipped_config_passes_check_config_and_promises_nothing_missing() -> None:
-    """config/trainwatch.yaml loads, passes check-config, names no absent DESIGN.md, no
-    log rules and no action for an undetected kind, and documents the new keys."""
+    """config/trainwatch.yaml loads, passes check-config, names no absent DESIGN.md, and
+    documents the new keys (log rules, the oom action)."""
     shipped = Path(__file__).resolve().parent.parent / "config" / "trainwatch.yaml"
     result = _cli("check-config", str(shipped))
     assert result.returncode == 0, result.stderr
     text = shipped.read_text()
     assert "DESIGN.md" not in text
-    assert "log rule" not in text
-    assert not re.search(r"^\s*(nccl_stall|oom|log_pattern):", text, re.MULTILINE)
+    assert "logs:" in text and "rules:" in text  # log rules exist now and are shown
+    assert re.search(r"^\s*oom: stop", text, re.MULTILINE)
     for key in ("required:", "ranks:", "group:", "address: 127.0.0.1", "0.0.0.0"):
         assert key in text, key
     job = load(shipped).jobs[0]

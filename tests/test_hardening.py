@@ -211,12 +211,12 @@ def test_an_exit_whose_handling_failed_is_handled_again(
         ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 6: if acting on the leader's exit raises once, the exit is not forgotten (the job
     does not stay `running` around a zombie): the next round handles it and the job ends."""
-    import trainwatch.job as jobmod
+    import trainwatch.exits as exitmod  # where the exit is judged
 
     doc = {"state_dir": str(ws.state), "run_dir": str(ws.root / "run"), "metrics": {"port": 0},
            "gpu": {"backend": "off"}, "jobs": [{"name": "j", "command": ws.worker("--steps", "5")}]}
     sup = Supervisor(from_mapping(doc))
-    real = jobmod.run_detectors
+    real = exitmod.run_detectors
     calls = {"n": 0}
 
     def flaky(on: str, *args: object) -> object:
@@ -226,7 +226,7 @@ def test_an_exit_whose_handling_failed_is_handled_again(
                 raise RuntimeError("a bug while judging the exit")
         return real(on, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(jobmod, "run_detectors", flaky)
+    monkeypatch.setattr(exitmod, "run_detectors", flaky)
     done = threading.Event()
     timer = threading.Timer(30, lambda: done.is_set() or sup.request_stop())
     timer.start()

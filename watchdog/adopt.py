@@ -19,6 +19,7 @@ import selectors
 import time
 from typing import TYPE_CHECKING
 
+from trainwatch import exits, logwatch
 from trainwatch.actions import kept
 from trainwatch.actions.attempt import Attempt
 from trainwatch.policy import RestartHistory
@@ -84,7 +85,7 @@ def adopt_or_start(r: JobRunner) -> None:
             r.mark_exit_handled(a.number)
             r.begin_stop(JobState.BACKOFF, f"adopted: incident {done} already recorded")
             return
-        r.check_exit()  # it may have ended while no daemon watched
+        exits.check(r)  # it may have ended while no daemon watched
     elif state is JobState.BACKOFF:
         r.relaunch_at = now + max(0.0, (rt.relaunch_at or wall) - wall)
         r.to(JobState.BACKOFF, f"adopted: relaunch in {r.relaunch_at - now:.2f}s")
@@ -132,6 +133,7 @@ def _adopt_attempt(r: JobRunner, rt: runtime.Runtime) -> bool:
     r.outages.started(a.started)
     r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
     r.intake.new_attempt(a.ring_dir)
+    logwatch.follow(r, a, from_end=True)
     if a.pidfd is not None:
         r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
     return True

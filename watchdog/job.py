@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from trainwatch import adopt, anomalies, respond
+from trainwatch import adopt, anomalies, exits, logwatch, respond
 from trainwatch.actions import credentials
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
@@ -41,6 +41,7 @@ from trainwatch.export.goodput import Goodput
 from trainwatch.export.metrics import Events
 from trainwatch.gpuwatch import GpuWatch
 from trainwatch.intake import Intake
+from trainwatch.logwatch import LogWatch
 from trainwatch.policy import RestartHistory, XidHistory
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime
@@ -119,10 +120,11 @@ class JobRunner:
         # attempts skip, and how many rollbacks came back into that window.
         self.skip: tuple[int, int, int] | None = None
         self.anomalies = LossFeed(job.anomalies.detect)
+        self.logwatch: LogWatch | None = None
         self.paused = False  # the operator: keep watching, stop acting
         self.restarts = 0  # relaunches, every attempt after the first
         self.drill: DrillNotice | None = None
-        self._exit_handled = -1  # the attempt whose leader's exit has been acted on
+        self.exit_handled = -1  # the attempt whose leader's exit has been acted on
         self.reports_refused = 0  # checkpoint reports outside checkpoints.dir
         self.over_cap_before = 0  # beats of ranks beyond the cap, in earlier attempts
         self.output_dropped_before = 0  # bytes of output lost by earlier attempts
@@ -276,37 +278,14 @@ class JobRunner:
     def on_exit_ready(self, fd: int) -> None:
         # Handled first: should it raise, the pidfd stays registered (it stays
         # readable once the process has exited) and the exit is handled next round.
-        self.check_exit()
+        exits.check(self)
         self._unregister(fd)
         a = self.attempt
         if a is not None and a.pidfd == fd:
             a.exit_seen()
 
     def mark_exit_handled(self, attempt: int) -> None:
-        self._exit_handled = attempt
-
-    def check_exit(self) -> None:
-        a = self.attempt
-        if a is None or self._exit_handled == a.number:
-            return
-        rc = a.returncode if a.returncode is not None else a.poll_exit()
-        if rc is None:
-            return
-        if self.state is not JobState.STARTING and self.state is not JobState.RUNNING:
-            return  # we are stopping it; actions/stop.py finishes the job
-        self.intake.drain()  # its last beats, still queued, count towards the steps it reached
-        at = a.exited_at if a.exited_at is not None else self.clock()
-        faults = run_detectors("exit", self._view(self.clock(), exit=ProcessExit(a.pid, rc, at)))
-        fault = faults[0] if faults else None
-        drill = self._take_drill("crash")
-        if fault is not None and drill is not None:
-            fault = dataclasses.replace(fault, onset=drill.at, onset_known=True,
-                                        evidence={**fault.evidence, "source": "drill"})
-        if fault is None:
-            self.begin_stop(JobState.EXITED, "the job finished (exit 0)")
-        else:
-            respond.handle(self, fault)
-        self._exit_handled = a.number  # not before: a handling that raised is tried again
+        self.exit_handled = attempt
 
     def refresh_checkpoints(self) -> None:
         self.checkpoints = self.catalog.summary()
@@ -321,8 +300,8 @@ class JobRunner:
         if a is not None and not a.closed:
             a.follow()
         live = self.state in (JobState.STARTING, JobState.RUNNING)
-        if live and a is not None and a.pidfd is None and self._exit_handled != a.number:
-            self.check_exit()
+        if live and a is not None and a.pidfd is None and self.exit_handled != a.number:
+            exits.check(self)
         if self.last_step != self.published_step and now - self.published_at >= _PUBLISH_EVERY:
             self.publish()
         if self.state in (JobState.STARTING, JobState.RUNNING) and a is not None:
@@ -332,18 +311,21 @@ class JobRunner:
                 and now - a.started >= _RUNNING_WITHOUT_BEATS
             ):
                 self.to(JobState.RUNNING, f"up {_RUNNING_WITHOUT_BEATS:g}s without heartbeats")
+            logwatch.check(self, now)
+            if self.state not in (JobState.STARTING, JobState.RUNNING):
+                return  # a log rule acted
             if not self.hang_latched:
-                faults = run_detectors("tick", self._view(now))
+                faults = run_detectors("tick", self.view(now))
                 if faults:
                     # A beat may be queued while we poll: read it before judging; and
                     # which ranks' processes are stopped names the hung one among
                     # ranks that went quiet together (DDP's wait in the collective).
                     self.intake.drain()
                     stopped = stopped_ranks(self.ranks.pids())
-                    faults = run_detectors("tick", self._view(now, stopped=stopped))
+                    faults = run_detectors("tick", self.view(now, stopped=stopped))
                 fault = faults[0] if faults else None
                 if fault is not None:
-                    if self._take_drill("hang") is not None:
+                    if self.take_drill("hang") is not None:
                         fault = dataclasses.replace(
                             fault, evidence={**fault.evidence, "source": "drill"})
                     respond.handle(self, fault)
@@ -370,12 +352,12 @@ class JobRunner:
         if self.state is JobState.STARTING:
             wake = min(wake, (a.started if a else now) + _RUNNING_WITHOUT_BEATS)
         if self.state in (JobState.STARTING, JobState.RUNNING) and not self.hang_latched:
-            d = detector_deadline(self._view(now))
+            d = detector_deadline(self.view(now))
             if d is not None:
                 wake = min(wake, d)
         return wake
 
-    def _view(self, now: float, exit: ProcessExit | None = None,
+    def view(self, now: float, exit: ProcessExit | None = None,
               stopped: frozenset[int] = frozenset()) -> JobView:
         learned = self.job.heartbeat.learned
         snap = self.ranks.snapshot(now, learned.min_samples if learned else 1 << 30)
@@ -389,7 +371,7 @@ class JobRunner:
         """faultinject is about to inject ``kind`` (crash or hang) into ``pids``."""
         self.drill = DrillNotice(kind, self.clock(), frozenset(pids))
 
-    def _take_drill(self, kind: str) -> DrillNotice | None:
+    def take_drill(self, kind: str) -> DrillNotice | None:
         d, self.drill = self.drill, None
         return d if d is not None and d.fits(kind, self.clock()) else None
 
@@ -416,6 +398,8 @@ class JobRunner:
         elif a is not None and not self.done and not self.config.observe_only:
             a.tree.signal(signal.SIGKILL, a.tree.scan())
         self.intake.close()
+        if self.logwatch is not None:
+            self.logwatch.close()
         self.catalog.flush(force=True)
 
     def goodput(self, now: float) -> float | None:

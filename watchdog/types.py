@@ -61,7 +61,8 @@ class FaultKind(str, enum.Enum):
 DETECTED_KINDS = frozenset(
     {FaultKind.CRASH, FaultKind.HANG, FaultKind.GPU_XID, FaultKind.GPU_ECC,
      FaultKind.GPU_LOST, FaultKind.GPU_THERMAL, FaultKind.NAN_LOSS, FaultKind.LOSS_SPIKE,
-     FaultKind.GRAD_NORM_OUTLIER, FaultKind.DIVERGENCE}
+     FaultKind.GRAD_NORM_OUTLIER, FaultKind.DIVERGENCE, FaultKind.OOM, FaultKind.LOG_PATTERN,
+     FaultKind.NCCL_STALL}
 )
 
 

@@ -9,7 +9,7 @@ import selectors
 import statistics
 from typing import TYPE_CHECKING
 
-from trainwatch import anomalies, respond
+from trainwatch import anomalies, logwatch, respond
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.catalog import Entry
@@ -74,6 +74,7 @@ def launch(r: JobRunner, reason: str) -> None:
     r.intake.new_attempt(a.ring_dir)
     r.catalog.seal_quarantine()
     r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
+    logwatch.follow(r, a, from_end=False)
     r.hang_latched = False
     r.drill = None  # a notice for the attempt before is not this one's
     reached, r.last_step = r.last_step, cp.step if cp else None

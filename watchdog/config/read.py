@@ -26,11 +26,13 @@ from trainwatch.config.schema import (
     Heartbeat,
     Job,
     Learned,
+    Logs,
     Metrics,
     Policy,
     check_socket_paths,
     default_dirs,
 )
+from trainwatch.detectors.logrules import LogRule, compile_rules
 from trainwatch.detectors.loss import LossSettings
 from trainwatch.detectors.xid import Immediate
 from trainwatch.types import DETECTED_KINDS, IMPLEMENTED_ACTIONS, Action, FaultKind
@@ -263,7 +265,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
     usable = isinstance(said, str) and fields.NAME_RE.match(said) and said not in seen
     m = r.mapping(raw, f"jobs.{said}" if usable else f"jobs[{i}]", {
         "name", "command", "workdir", "user", "group", "env", "resume_args", "checkpoints",
-        "heartbeat", "policy", "gpus", "anomalies",
+        "heartbeat", "policy", "gpus", "anomalies", "logs",
     })
     if not m:
         raise r.fail(f"jobs[{i}]", "a mapping with name and command", raw)
@@ -337,7 +339,41 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         heartbeat=heartbeat,
         policy=policy,
         anomalies=_anomalies(r, m.get("anomalies"), f"{path}.anomalies"),
+        logs=_logs(r, m.get("logs"), f"{path}.logs"),
     )
+
+
+def _logs(r: Reader, raw: object, path: str) -> Logs:
+    """``logs: {builtin: true, rules: [{name, pattern, kind, count, window, action}]}``;
+    every regex is compiled here, so a bad one is a config error naming its rule."""
+    m = r.mapping(raw, path, {"builtin", "rules"})
+    raw_rules = m.get("rules") or []
+    if not isinstance(raw_rules, list):
+        raise r.fail(f"{path}.rules", "a list of rules", raw_rules)
+    rules: list[LogRule] = []
+    kinds = ", ".join(sorted(k.value for k in DETECTED_KINDS))
+    for i, raw_rule in enumerate(raw_rules):
+        rp = f"{path}.rules[{i}]"
+        rm = r.mapping(raw_rule, rp, {"name", "pattern", "kind", "count", "window", "action"})
+        kind = r.get(rm, "kind", rp, _STR, FaultKind.LOG_PATTERN.value)
+        if kind not in {k.value for k in DETECTED_KINDS}:
+            raise r.fail(f"{rp}.kind", f"a fault kind ({kinds})", kind)
+        act = rm.get("action")
+        rules.append(LogRule(
+            name=r.get(rm, "name", rp, fields.NAME, _MISSING),
+            pattern=r.get(rm, "pattern", rp, _STR, _MISSING),
+            kind=kind,
+            count=r.get(rm, "count", rp, fields.POSITIVE, 1),
+            window=r.get(rm, "window", rp, _DUR, 60.0),
+            action=None if act is None else _action(r, f"{rp}.action", act).value,
+        ))
+    for i, rule in enumerate(rules):
+        try:
+            compile_rules([rule])
+        except ValueError as e:
+            raise r.fail(f"{path}.rules[{i}].pattern", "a valid regular expression",
+                         Said(str(e))) from None
+    return Logs(builtin=r.get(m, "builtin", path, "true or false", True), rules=tuple(rules))
 
 
 def _anomalies(r: Reader, raw: object, path: str) -> Anomalies:

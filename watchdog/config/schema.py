@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from trainwatch.config.fields import show
+from trainwatch.detectors.logrules import LogRule
 from trainwatch.detectors.loss import LossSettings
 from trainwatch.types import Action, FaultKind
 
@@ -43,6 +44,10 @@ DEFAULT_ACTIONS: Mapping[FaultKind, Action] = {
     FaultKind.LOSS_SPIKE: Action.ROLLBACK,
     FaultKind.GRAD_NORM_OUTLIER: Action.ROLLBACK,
     FaultKind.DIVERGENCE: Action.ROLLBACK,
+    # From the job's log (jobs[].logs): restarting into the same OOM is a loop.
+    FaultKind.OOM: Action.STOP,
+    FaultKind.NCCL_STALL: Action.RESTART,
+    FaultKind.LOG_PATTERN: Action.ALERT,
 }
 
 
@@ -120,6 +125,14 @@ class Anomalies:
 
 
 @dataclass(frozen=True)
+class Logs:
+    """The job's output matched against log rules (detectors/logrules.py)."""
+
+    builtin: bool = True  # the rules for what PyTorch, NCCL, CUDA and torchrun print
+    rules: tuple[LogRule, ...] = ()  # the job's own, after the built-in ones
+
+
+@dataclass(frozen=True)
 class Job:
     name: str
     command: tuple[str, ...]
@@ -133,6 +146,7 @@ class Job:
     gpus: Gpus = field(default_factory=lambda: Gpus())
     group: str | None = None  # the job's primary group; None: the user's own
     anomalies: Anomalies = field(default_factory=Anomalies)
+    logs: Logs = field(default_factory=Logs)
 
 
 @dataclass(frozen=True)
