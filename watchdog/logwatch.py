@@ -50,9 +50,7 @@ class LogWatch:
         return self.matcher.feed(lines, now) if lines else []
 
     def close(self) -> None:
-        if self.follower.fd is not None:
-            os.close(self.follower.fd)
-            self.follower.fd = None
+        self.follower.close()
 
 
 def follow(r: JobRunner, a: Attempt, from_end: bool) -> None:
