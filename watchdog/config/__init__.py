@@ -16,10 +16,10 @@ from trainwatch.config.read import (
     MAX_ARG_BYTES,
     MAX_EXEC_BYTES,
     MAX_SIM_GPUS,
-    Reader,
     check_command,
     from_mapping,
 )
+from trainwatch.config.reader import Reader
 from trainwatch.config.schema import (
     DEFAULT_ACTIONS,
     DEFAULT_MAX_RANKS,

@@ -7,15 +7,19 @@ what was expected and what was found.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainwatch.config import fields
+from trainwatch.config import fields, sections
 from trainwatch.config.fields import Refused, Said, show
+from trainwatch.config.reader import DUR as _DUR
+from trainwatch.config.reader import MISSING as _MISSING
+from trainwatch.config.reader import OPT_DUR as _OPT_DUR
+from trainwatch.config.reader import STR as _STR
+from trainwatch.config.reader import Reader
+from trainwatch.config.reader import action as _action
 from trainwatch.config.schema import (
     DEFAULT_ACTIONS,
-    Anomalies,
     Backoff,
     Checkpoints,
     Config,
@@ -26,74 +30,17 @@ from trainwatch.config.schema import (
     Heartbeat,
     Job,
     Learned,
-    Logs,
     Metrics,
     Policy,
     check_socket_paths,
     default_dirs,
 )
-from trainwatch.detectors.logrules import LogRule, compile_rules
-from trainwatch.detectors.loss import LossSettings
 from trainwatch.detectors.xid import Immediate
-from trainwatch.types import DETECTED_KINDS, IMPLEMENTED_ACTIONS, Action, FaultKind
+from trainwatch.types import DETECTED_KINDS, Action, FaultKind
 
 MAX_SIM_GPUS = 1024
 MAX_ARG_BYTES = 32 * 4096  # MAX_ARG_STRLEN: the most exec takes in one string, NUL included
 MAX_EXEC_BYTES = 1 << 20  # a job's command, resume_args and env together
-
-
-class Reader:
-    """Walks a mapping, checking each field and naming its path on error."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def fail(self, path: str, expected: str, got: object) -> ConfigError:
-        shown = "nothing" if got is _MISSING else show(got)
-        return ConfigError(f"{self.source}: {path}: expected {expected}, got {shown}")
-
-    def mapping(self, value: object, path: str, keys: set[str],
-                expected: str | None = None) -> dict[str, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise self.fail(path or "top level", "a mapping", value)
-        for k in value:
-            if k not in keys:
-                where = f"{path}.{fields.key(k)}" if path else fields.key(k)
-                raise self.fail(where, expected or "one of " + ", ".join(sorted(keys)),
-                                Said("an unknown key"))
-        return value
-
-    def get(self, m: Mapping[str, Any], key: str, path: str, kind: str, default: Any) -> Any:
-        value = m.get(key, _MISSING)
-        where = f"{path}.{key}" if path else key
-        if value is _MISSING:
-            if default is _MISSING:
-                raise self.fail(where, kind, value)
-            return default
-        try:
-            return fields.CHECKS[kind](value)
-        except Refused as e:
-            raise self.fail(where, e.expected, e.got) from None
-        except (TypeError, ValueError, OverflowError):
-            raise self.fail(where, kind, value) from None
-
-    def arguments(self, value: object, path: str, expected: str) -> tuple[str, ...]:
-        """A list of command-line arguments, each mistake named by its index."""
-        if not isinstance(value, list):
-            raise self.fail(path, expected, value)
-        out = []
-        for n, x in enumerate(value):
-            try:
-                out.append(fields.argument(x))
-            except Refused as e:
-                raise self.fail(f"{path}[{n}]", e.expected, e.got) from None
-        return tuple(out)
-
-
-_MISSING: Any = object()
-_STR, _DUR, _OPT_DUR = fields.STR, fields.DUR, fields.OPT_DUR
 _COMMAND = "a non-empty list of strings (the command and its arguments)"
 _NOT_DECLARED = ("a job that is not declared to beat cannot be judged by the absence of"
                  " beats")
@@ -151,17 +98,6 @@ def _check_exec_size(r: Reader, path: str, command: tuple[str, ...],
         where = f"{path}.command" if n_cmd >= n_env else f"{path}.env"
         raise r.fail(where, f"a command and env of at most 1 MiB ({MAX_EXEC_BYTES} bytes)"
                      " together, what exec accepts", Said(f"{n_cmd + n_env} bytes"))
-
-
-def _action(r: Reader, where: str, act: object) -> Action:
-    try:
-        action = Action(act)
-    except ValueError:
-        raise r.fail(where, "one of " + ", ".join(a.value for a in Action), act) from None
-    if action not in IMPLEMENTED_ACTIONS:
-        ok = ", ".join(sorted(a.value for a in IMPLEMENTED_ACTIONS))
-        raise r.fail(where, f"an action this version carries out ({ok})", act)
-    return action
 
 
 def _actions(r: Reader, raw: object, path: str) -> dict[FaultKind, Action]:
@@ -338,66 +274,9 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         checkpoints=checkpoints,
         heartbeat=heartbeat,
         policy=policy,
-        anomalies=_anomalies(r, m.get("anomalies"), f"{path}.anomalies"),
-        logs=_logs(r, m.get("logs"), f"{path}.logs"),
+        anomalies=sections.anomalies(r, m.get("anomalies"), f"{path}.anomalies"),
+        logs=sections.logs(r, m.get("logs"), f"{path}.logs"),
     )
-
-
-def _logs(r: Reader, raw: object, path: str) -> Logs:
-    """``logs: {builtin: true, rules: [{name, pattern, kind, count, window, action}]}``;
-    every regex is compiled here, so a bad one is a config error naming its rule."""
-    m = r.mapping(raw, path, {"builtin", "rules"})
-    raw_rules = m.get("rules") or []
-    if not isinstance(raw_rules, list):
-        raise r.fail(f"{path}.rules", "a list of rules", raw_rules)
-    rules: list[LogRule] = []
-    kinds = ", ".join(sorted(k.value for k in DETECTED_KINDS))
-    for i, raw_rule in enumerate(raw_rules):
-        rp = f"{path}.rules[{i}]"
-        rm = r.mapping(raw_rule, rp, {"name", "pattern", "kind", "count", "window", "action"})
-        kind = r.get(rm, "kind", rp, _STR, FaultKind.LOG_PATTERN.value)
-        if kind not in {k.value for k in DETECTED_KINDS}:
-            raise r.fail(f"{rp}.kind", f"a fault kind ({kinds})", kind)
-        act = rm.get("action")
-        rules.append(LogRule(
-            name=r.get(rm, "name", rp, fields.NAME, _MISSING),
-            pattern=r.get(rm, "pattern", rp, _STR, _MISSING),
-            kind=kind,
-            count=r.get(rm, "count", rp, fields.POSITIVE, 1),
-            window=r.get(rm, "window", rp, _DUR, 60.0),
-            action=None if act is None else _action(r, f"{rp}.action", act).value,
-        ))
-    for i, rule in enumerate(rules):
-        try:
-            compile_rules([rule])
-        except ValueError as e:
-            raise r.fail(f"{path}.rules[{i}].pattern", "a valid regular expression",
-                         Said(str(e))) from None
-    return Logs(builtin=r.get(m, "builtin", path, "true or false", True), rules=tuple(rules))
-
-
-def _anomalies(r: Reader, raw: object, path: str) -> Anomalies:
-    """``anomalies:``: each detector setting by its name in LossSettings (a kind
-    true/false, a count, a threshold), plus the rollback's margin and tries."""
-    d = LossSettings()
-    names = [f.name for f in dataclasses.fields(LossSettings)]
-    m = r.mapping(raw, path, {*names, "margin", "max_rollbacks"})
-    values: dict[str, Any] = {}
-    for name in names:
-        default = getattr(d, name)
-        kind = ("true or false" if isinstance(default, bool) else
-                fields.NATURAL if isinstance(default, int) else fields.POSITIVE_NUMBER)
-        values[name] = r.get(m, name, path, kind, default)
-    try:
-        detect = LossSettings(**values)
-    except ValueError as e:  # settings that contradict each other (act below alert)
-        raise r.fail(path, f"settings that agree ({e})",
-                     Said(", ".join(f"{k}: {v}" for k, v in m.items()))) from None
-    a = Anomalies()
-    return Anomalies(detect=detect,
-                     margin=r.get(m, "margin", path, fields.NATURAL, a.margin),
-                     max_rollbacks=r.get(m, "max_rollbacks", path, fields.POSITIVE,
-                                         a.max_rollbacks))
 
 
 def check_command(command: Sequence[str], backend: str, where: Any) -> None:
