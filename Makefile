@@ -87,6 +87,7 @@ install-venv:
 	  echo "warning: systemd-python did not install (it builds with gcc, python3-dev," \
 	       "libsystemd-dev, pkg-config): no sd_notify, so Type=notify cannot start" >&2; \
 	  $$pip . ; }; \
+	$$pip 'py-spy>=0.4' || echo "warning: py-spy did not install: incidents keep no stacks" >&2; \
 	if [ -n "$$root" ]; then \
 	  grep -rlIF "$$venv" "$$venv/bin" "$$venv/pyvenv.cfg" | xargs -r sed -i "s|$$venv|$(TW_LIB)|g"; \
 	  "$$venv/bin/python" -m compileall -q -f -s "$$root" -p / "$$venv/lib"; \

@@ -1,0 +1,138 @@
+"""``trainwatch incidents --show N``: one incident and the evidence kept
+beside it (``folder``), as text: the ledger row, the verdict from the stacks
+and which evidence decided, the rank named, the process states, each rank's
+main-thread stack, the log tail and the files.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from trainwatch.detectors.stacks import frames, main_thread
+from trainwatch.evidence.capture import SUMMARY
+from trainwatch.evidence.pyspy import frame
+from trainwatch.state.atomic import read_json
+
+ROW_FIELDS = ("job", "kind", "rank", "gpu", "action", "decision", "attempt", "observe_only",
+              "injected", "detection_latency_s", "resumed_from", "resumed_step", "steps_lost")
+MAX_FRAMES = 15  # per rank; deeper frames are counted, not printed
+LOG_LINES = 20
+
+
+def folder(state_dir: str, job: str, incident: int) -> Path:
+    """Where an incident's evidence lives: ``<state_dir>/jobs/<job>/incidents/<id>``."""
+    if not job or "/" in job or job in (".", ".."):
+        raise ValueError(f"not a job name: {job!r}")
+    return Path(state_dir) / "jobs" / job / "incidents" / str(int(incident))
+
+
+def _evidence(row: dict[str, Any]) -> dict[str, Any]:
+    ev = row.get("evidence")
+    if isinstance(ev, str):
+        try:
+            ev = json.loads(ev)
+        except ValueError:
+            return {"raw": ev}
+    return ev if isinstance(ev, dict) else {}
+
+
+def _head(row: dict[str, Any]) -> list[str]:
+    when = row.get("time")
+    stamp = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
+             if isinstance(when, (int, float)) else "-")
+    out = [f"incident {row.get('id', '?')} at {stamp}"]
+    out += [f"  {k}: {row[k]}" for k in ROW_FIELDS if row.get(k) is not None]
+    ev = _evidence(row)
+    if ev:
+        out.append("  evidence:")
+        out += [f"    {k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}"
+                for k, v in sorted(ev.items())]
+    return out
+
+
+def _verdict(s: dict[str, Any]) -> list[str]:
+    v = s.get("verdict")
+    if not isinstance(v, dict):
+        return ["verdict: none (no rank stacks)"]
+    rs = [str(r) for r in v.get("suspects") or []]
+    suspects = f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}" if rs else "no rank"
+    out = [f"verdict: {suspects} (decided by {v.get('decided_by')})",
+           f"  why: {v.get('why')}"]
+    named = s.get("named")
+    if named is not None:
+        agree = {True: "agree", False: "disagree", None: "say nothing"}[v.get("agrees")]
+        out.append(f"  rank named by the step/CPU evidence: {named} (the stacks {agree})")
+    if v.get("in_collective"):
+        out.append(f"  inside a collective: {', '.join(str(r) for r in v['in_collective'])}")
+    groups = v.get("groups") or []
+    if groups:
+        out.append("  stack groups: " + " | ".join(",".join(str(r) for r in g) for g in groups))
+    return out
+
+
+def _targets(s: dict[str, Any], where: Path) -> list[str]:
+    out = ["processes:"]
+    for t in s.get("targets") or []:
+        who = f"rank {t['rank']}" if t.get("rank") is not None else "launcher"
+        spy = t.get("py_spy") or {}
+        how = (f"py-spy {spy.get('mode')}" if spy.get("ok")
+               else f"no stack: {spy.get('error') or 'py-spy not run'}")
+        if spy.get("native_skipped"):
+            how += " (native frames skipped: process stopped)"
+        out.append(f"  {who:8} pid {t.get('pid')}  state {t.get('state') or '-'}  "
+                   f"cpu {t.get('cpu_seconds', '-')}s  {how}")
+    out.append("stacks (main thread, innermost first; identical stacks once):")
+    shown: dict[tuple[str, ...], list[str]] = {}
+    for t in s.get("targets") or []:
+        data = read_json(where / "stacks" / f"{t.get('file')}.json")
+        if isinstance(data, list):
+            fs = tuple(frame(dict(f)) for f in frames(main_thread(data)))
+            shown.setdefault(fs, []).append(str(t.get("file")))
+    for fs, files in shown.items():
+        out.append(f"  {', '.join(files)}:")
+        out += [f"    {f}" for f in fs[:MAX_FRAMES]]
+        if len(fs) > MAX_FRAMES:
+            out.append(f"    ... {len(fs) - MAX_FRAMES} more")
+    return out
+
+
+def _tail(where: Path) -> list[str]:
+    try:
+        lines = (where / "log-tail.txt").read_text(errors="replace").splitlines()
+    except OSError:
+        return ["log tail: none"]
+    return [f"log tail (last {min(LOG_LINES, len(lines))} lines):",
+            *(f"  {x}" for x in lines[-LOG_LINES:])]
+
+
+def _files(where: Path) -> list[str]:
+    out = [f"files in {where}:"]
+    for p in sorted(where.rglob("*")):
+        if p.is_file() and not p.name.startswith("."):
+            out.append(f"  {p.relative_to(where)} ({p.stat().st_size} bytes)")
+    return out
+
+
+def render(row: dict[str, Any], folder: Path) -> str:
+    """The incident and its evidence, as text."""
+    out = _head(row)
+    s = read_json(folder / SUMMARY)
+    if not isinstance(s, dict):
+        out.append(f"no evidence captured ({folder / SUMMARY} is absent or unreadable)")
+        return "\n".join(out)
+    spent = f"captured in {s.get('seconds')} s"
+    if s.get("deadline_hit"):
+        spent += " (deadline hit: some evidence is missing)"
+    out.append(spent)
+    out += _verdict(s)
+    out += _targets(s, folder)
+    fr = s.get("flight_recorder")
+    if isinstance(fr, dict):
+        out.append("flight recorder: " + (", ".join(fr.get("files") or []) or "no dump"))
+    out += [f"error: {e}" for e in s.get("errors") or []]
+    out += _tail(folder)
+    out += _files(folder)
+    return "\n".join(out)
