@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 from trainwatch.config import ConfigError, default_dirs, load
 from trainwatch.control import control_path
 
-from faultinject import drills
+from faultinject import drills, joblog
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +37,16 @@ def _index(text: str) -> int:
         n = -1
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected a GPU index (0, 1, ...), got {text!r}")
+    return n
+
+
+def _rank(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a rank (0, 1, ...), got {text!r}")
     return n
 
 
@@ -87,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     common(h)
     h.add_argument("--rank", type=int)
     h.add_argument("--seconds", type=_seconds, help="resume it after this long")
+
+    st = sub.add_parser("nccl-stall", help="SIGSTOP one rank of a multi-process job, so the "
+                                           "others block in their collective (nccl_stall)")
+    common(st)
+    st.add_argument("--rank", type=_rank, required=True,
+                    help="the rank (found through its heartbeats, else its RANK variable)")
+    st.add_argument("--seconds", type=_seconds, help="resume it after this long")
+    ll = sub.add_parser("log-line", help="append a line to the job's output log, as if the "
+                                         "job printed it (for the log rules)")
+    common(ll)
+    which = ll.add_mutually_exclusive_group(required=True)
+    which.add_argument("--line", help="the line, without its newline")
+    which.add_argument("--preset", choices=sorted(joblog.PRESETS),
+                       help="a real-format line of a built-in rule")
 
     n = sub.add_parser("nan", help="a non-finite loss at the job's current step (nan_loss)")
     common(n)
@@ -187,6 +211,18 @@ def _loss_drill(state_dir: str, args: argparse.Namespace) -> str:
     return f"faultinject: injected {what} of job {args.job}; trainwatch found: {found}"
 
 
+def _log_line(state_dir: str, args: argparse.Namespace) -> int:
+    done = joblog.log_line(state_dir, args.job, args.line, args.preset)
+    reads = f"built-in rule {done.rule} reads it" if done.rule else "no built-in rule reads it"
+    how = f"preset {args.preset}, " if args.preset else ""
+    print(f"faultinject: appended a line to the log of job {args.job} ({done.path}; {how}"
+          f"{reads}): {done.line}")
+    if done.not_told:
+        print(f"faultinject: trainwatch was not told, so the incident will not say "
+              f"injected: {done.not_told}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -198,13 +234,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd in ("nan", "grad-spike"):
             print(_loss_drill(state_dir, args))
             return 0
+        if args.cmd == "log-line":
+            return _log_line(state_dir, args)
         if args.cmd == "crash":
             done = drills.crash(state_dir, args.job, args.rank)
+        elif args.cmd == "nccl-stall":
+            done = drills.nccl_stall(state_dir, args.job, args.rank, args.seconds)
         else:
             done = drills.hang(state_dir, args.job, args.rank, args.seconds)
         pids = " ".join(map(str, done.pids))
         tail = f"; resumed (SIGCONT) after {args.seconds:g}s" \
-            if args.cmd == "hang" and args.seconds is not None else ""
+            if args.cmd != "crash" and args.seconds is not None else ""
         print(f"faultinject: {done.signal} sent to {done.what} of job {args.job}: "
               f"pids {pids}{tail}")
         if done.not_told:

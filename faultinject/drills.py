@@ -2,7 +2,8 @@
 
 A job's processes are found through its published status in ``state_dir``
 (``jobs/<job>/status.json``): the leader's pid, its process group, and the pid
-of every rank that has beaten. None is signalled unless a trainwatch holds the
+of every rank that has beaten; a rank that has not is found by the ``RANK`` in
+its process's environment (ranks.py). None is signalled unless a trainwatch holds the
 job's lock and the process is proven the job's through a pidfd (identity.py).
 
 GPU drills reach the running trainwatch over its control socket in ``run_dir``
@@ -29,7 +30,7 @@ from trainwatch.detectors.xid import classify
 from trainwatch.export import status as jobstatus
 from trainwatch.sources.kmsg import normalise_pci, parse_line
 
-from faultinject import identity
+from faultinject import identity, ranks
 
 
 class DrillError(Exception):
@@ -50,14 +51,6 @@ def job_status(state_dir: str, job: str) -> dict[str, Any]:
     return s
 
 
-def _rank_pid(s: dict[str, Any], rank: int) -> int:
-    pid = s.get("ranks", {}).get(str(rank))
-    if pid is None:
-        known = ", ".join(sorted(s.get("ranks", {}))) or "none yet"
-        raise DrillError(f"job {s['job']!r} has no rank {rank} (ranks seen: {known})")
-    return int(pid)
-
-
 def _open(owner: identity.Owner, pid: int) -> int:
     """A pidfd on pid, once it is proven the job's (see identity.py)."""
     try:
@@ -73,6 +66,38 @@ def _open(owner: identity.Owner, pid: int) -> int:
         raise DrillError(f"process {pid} does not belong to job {owner.job!r} ({why}); "
                          "not signalled")
     return fd
+
+
+def _rank_target(s: dict[str, Any], owner: identity.Owner, rank: int) -> tuple[int, int, str]:
+    """Rank ``rank``'s pid, a pidfd on it (proven the job's) and how it was found:
+    from the status (ranks that beat through the client), else from the RANK in
+    the environment of the job's processes (ranks.py)."""
+    pid = s.get("ranks", {}).get(str(rank))
+    if pid is not None:
+        return int(pid), _open(owner, int(pid)), ""
+    found = ranks.by_environment(job_pids(s), int(s["pid"]))
+    pids = found.pids.get(rank, [])
+    if not pids:
+        seen = sorted({*map(int, s.get("ranks", {})), *found.pids})
+        unread = (f"; the environment of {found.unreadable} of its processes is not ours to "
+                  "read (run as the job's user or root)") if found.unreadable else ""
+        raise DrillError(f"job {s['job']!r} has no rank {rank} (ranks seen: "
+                         f"{', '.join(map(str, seen)) or 'none'}){unread}")
+    if len(pids) > 1:
+        raise DrillError(f"job {s['job']!r}: {len(pids)} processes carry RANK={rank} "
+                         f"(pids {' '.join(map(str, pids))}); none signalled")
+    fd = _open(owner, pids[0])
+    # Read again now that the pidfd holds it, then prove it alive: what was read
+    # is this process's environment, not a stranger's that took the pid since.
+    try:
+        again = ranks.rank_of(pids[0])
+        signal.pidfd_send_signal(fd, 0)
+    except (ranks.Unreadable, ProcessLookupError):
+        again = None
+    if again != rank:
+        os.close(fd)
+        raise DrillError(f"process {pids[0]} (rank {rank}) is gone")
+    return pids[0], fd, f", RANK={rank} in its environment"
 
 
 def _send(fd: int, pid: int, sig: int) -> None:
@@ -108,16 +133,18 @@ def job_pids(s: dict[str, Any]) -> list[int]:
     return sorted(found)
 
 
-def notify(s: dict[str, Any], kind: str, pids: list[int]) -> str | None:
+def notify(s: dict[str, Any], kind: str, pids: list[int],
+           extra: dict[str, Any] | None = None) -> str | None:
     """Tell the supervising trainwatch that ``kind`` is about to be injected, so
-    that it records the fault as injected (and a crash's onset as now). Returns
-    why it could not, or None."""
+    that it records the fault as injected (and a crash's onset as now); ``extra``:
+    more of the drill's arguments (a log line's text). Returns why it could not,
+    or None."""
     run_dir = s.get("run_dir")
     if not isinstance(run_dir, str):
         return "the job's status names no run_dir"
     try:
-        reply = control.request(run_dir, "drill", {"job": s["job"], "kind": kind,
-                                                   "pids": pids}, timeout=2.0)
+        reply = control.request(run_dir, "drill", {**(extra or {}), "job": s["job"],
+                                                   "kind": kind, "pids": pids}, timeout=2.0)
     except control.ControlError as e:
         return str(e)
     return None if reply.get("ok") else str(reply.get("error"))
@@ -137,23 +164,28 @@ class Done:
 def crash(state_dir: str, job: str, rank: int | None = None) -> Done:
     """SIGKILL the job's leader (or one rank's process), once proven the job's."""
     s = job_status(state_dir, job)
-    pid = int(s["pid"]) if rank is None else _rank_pid(s, rank)
-    fd = _open(identity.Owner(s), pid)
+    owner = identity.Owner(s)
+    if rank is None:
+        pid, how = int(s["pid"]), ""
+        fd = _open(owner, pid)
+    else:
+        pid, fd, how = _rank_target(s, owner, rank)
     try:
         why = notify(s, "crash", [pid])
         _send(fd, pid, signal.SIGKILL)
     finally:
         os.close(fd)
-    what = f"the leader (pid {pid})" if rank is None else f"rank {rank} (pid {pid})"
+    what = f"the leader (pid {pid})" if rank is None else f"rank {rank} (pid {pid}{how})"
     return Done("SIGKILL", [pid], what, why)
 
 
 def hang(state_dir: str, job: str, rank: int | None = None,
-         seconds: float | None = None) -> Done:
+         seconds: float | None = None, kind: str = "hang") -> Done:
     """SIGSTOP one rank's process, or every process of the job (every rank, the
     launcher, their children); with ``seconds``, SIGCONT them again after that
     long (through the same pidfds: never a process that took a pid since).
-    Without a rank, a candidate not proven the job's is left alone."""
+    Without a rank, a candidate not proven the job's is left alone. ``kind``:
+    what trainwatch is told is injected."""
     s = job_status(state_dir, job)
     owner = identity.Owner(s)
     fds: dict[int, int] = {}
@@ -171,10 +203,10 @@ def hang(state_dir: str, job: str, rank: int | None = None,
                                  f"({len(refused)} candidates)")
             what = f"every process of the job ({len(fds)})"
         else:
-            pid = _rank_pid(s, rank)
-            fds[pid] = _open(owner, pid)
-            what = f"rank {rank} (pid {pid})"
-        why = notify(s, "hang", sorted(fds))
+            pid, fd, how = _rank_target(s, owner, rank)
+            fds[pid] = fd
+            what = f"rank {rank} (pid {pid}{how})"
+        why = notify(s, kind, sorted(fds))
         stopped = []
         for pid, fd in sorted(fds.items()):
             with contextlib.suppress(DrillError):  # one that exited meanwhile is fine
@@ -191,6 +223,13 @@ def hang(state_dir: str, job: str, rank: int | None = None,
         for fd in fds.values():
             os.close(fd)
     return Done("SIGSTOP", stopped, what, why)
+
+
+def nccl_stall(state_dir: str, job: str, rank: int, seconds: float | None = None) -> Done:
+    """SIGSTOP rank ``rank``'s process of a multi-process job: the other ranks
+    block in their next collective, as when one rank stalls for real. Told to
+    trainwatch as ``nccl_stall``; with ``seconds``, resumed after that long."""
+    return hang(state_dir, job, rank, seconds, kind="nccl_stall")
 
 
 # --- loss drills --------------------------------------------------------------

@@ -542,6 +542,8 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
         "margin",
         "max_rollbacks",
         *(f.name for f in dataclasses.fields(LossSettings)),
+        "stall", "ceiling", "silence", "idle_cpu",
+        "evidence", "kinds", "native", "log_lines", "flight_recorder",
     }
     lines = EXAMPLE.read_text().splitlines()
     shown = {m.group(1) for line in lines if (m := re.match(r"\s*(?:- )?(\w+):", line))}

@@ -38,14 +38,15 @@ def test_interval_is_seconds_per_step() -> None:
 
 
 def test_repeated_or_older_step_teaches_no_interval() -> None:
-    """A beat that does not advance the step adds no interval but refreshes the last beat time."""
+    """A beat that does not advance the step adds no interval and is no advance (the stall
+    detector's clock), but refreshes the last beat time."""
     r = Ranks(started=0.0)
     r.observe(_beat(0, 5, 1.0))
     r.observe(_beat(0, 5, 3.0))
     r.observe(_beat(0, 4, 4.0))
     assert list(r.intervals) == []
     (view,) = r.snapshot(now=5.0, min_samples=1).ranks
-    assert view == RankView(rank=0, last_beat=4.0, step=4, beats=3)
+    assert view == RankView(rank=0, last_beat=4.0, step=4, beats=3, advanced_at=1.0)
 
 
 def test_p99_none_until_min_samples() -> None:
@@ -104,8 +105,8 @@ def test_snapshot_lists_every_rank() -> None:
     snap = r.snapshot(now=10.0, min_samples=20)
     assert (snap.now, snap.attempt_started) == (10.0, 7.0)
     assert sorted(snap.ranks, key=lambda v: v.rank) == [
-        RankView(rank=0, last_beat=8.0, step=3, beats=1),
-        RankView(rank=1, last_beat=9.0, step=2, beats=1),
+        RankView(rank=0, last_beat=8.0, step=3, beats=1, advanced_at=8.0),
+        RankView(rank=1, last_beat=9.0, step=2, beats=1, advanced_at=9.0),
     ]
     assert r.pids() == {0: 100, 1: 101}
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from trainwatch.config import ConfigError, default_dirs, load
 from trainwatch.control import GROUP, ControlError, control_path, request
+from trainwatch.evidence import show
 from trainwatch.state.ledger import Ledger
 from trainwatch.tables import age, render_checkpoints, render_incidents, render_status, state_word
 
@@ -156,8 +157,26 @@ def _ledger_rows(state_dir: str, job: str | None, limit: int, *,
         ledger.close()
 
 
+def _show(args: argparse.Namespace) -> int:
+    """One incident in full, from the ledger and the evidence kept beside it."""
+    config = load(args.config) if args.config else None
+    state_dir = str(args.state_dir or (config.state_dir if config else default_dirs()[0]))
+    rows = _ledger_rows(state_dir, None, 1 << 30, missing=lambda: ConfigError(
+        f"{state_dir}: no ledger here (expected {state_dir}/ledger.db)"))
+    row = next((r for r in rows if r["id"] == args.show), None)
+    if row is None:
+        raise Failed(f"no incident {args.show} in {state_dir}/ledger.db", "incidents")
+    if args.json:
+        _print_json(row)
+    else:
+        print(show.render(row, show.folder(state_dir, row["job"], row["id"])))
+    return 0
+
+
 @_command
 def cmd_incidents(args: argparse.Namespace) -> int:
+    if args.show is not None:
+        return _show(args)
     limit = args.limit
     if args.state_dir and not args.run_dir:
         # The user named the ledger: read it, daemon or not (as before issue 10).
@@ -278,6 +297,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     i.add_argument("--job", help="only this job's")
     i.add_argument("--limit", type=_count(1), default=INCIDENT_LIMIT,
                    help=f"the newest N (default {INCIDENT_LIMIT})")
+    i.add_argument("--show", type=_count(1), metavar="N",
+                   help="incident N in full: its evidence, each rank's stack, the rank "
+                        "named and why (from the ledger)")
 
     c = command("checkpoints", "a job's checkpoints and their verdicts", cmd_checkpoints)
     c.add_argument("job")

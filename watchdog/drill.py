@@ -58,7 +58,7 @@ class DrillNotice:
     ``drill``): the next such fault is marked injected, and a crash's onset is
     the notice's time (the kernel does not say when a process died)."""
 
-    kind: str  # "crash" | "hang"
+    kind: str  # "crash" | "hang" | "nccl_stall" | "log_line"
     at: float  # monotonic, when the notice arrived
     pids: frozenset[int]
 

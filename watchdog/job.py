@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from trainwatch import adopt, anomalies, exits, logwatch, respond
+from trainwatch import adopt, anomalies, exits, logwatch, respond, stallwatch
 from trainwatch.actions import credentials
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
@@ -121,6 +121,7 @@ class JobRunner:
         self.skip: tuple[int, int, int] | None = None
         self.anomalies = LossFeed(job.anomalies.detect)
         self.logwatch: LogWatch | None = None
+        self.stall = stallwatch.StallWatch(job.stall)
         self.paused = False  # the operator: keep watching, stop acting
         self.restarts = 0  # relaunches, every attempt after the first
         self.drill: DrillNotice | None = None
@@ -312,8 +313,9 @@ class JobRunner:
             ):
                 self.to(JobState.RUNNING, f"up {_RUNNING_WITHOUT_BEATS:g}s without heartbeats")
             logwatch.check(self, now)
+            stallwatch.check(self, now)
             if self.state not in (JobState.STARTING, JobState.RUNNING):
-                return  # a log rule acted
+                return  # a log rule or the stall detector acted
             if not self.hang_latched:
                 faults = run_detectors("tick", self.view(now))
                 if faults:
@@ -325,7 +327,7 @@ class JobRunner:
                     faults = run_detectors("tick", self.view(now, stopped=stopped))
                 fault = faults[0] if faults else None
                 if fault is not None:
-                    if self.take_drill("hang") is not None:
+                    if self.take_drill("hang", "nccl_stall") is not None:
                         fault = dataclasses.replace(
                             fault, evidence={**fault.evidence, "source": "drill"})
                     respond.handle(self, fault)
@@ -351,10 +353,10 @@ class JobRunner:
             wake = now + _EXIT_POLL
         if self.state is JobState.STARTING:
             wake = min(wake, (a.started if a else now) + _RUNNING_WITHOUT_BEATS)
-        if self.state in (JobState.STARTING, JobState.RUNNING) and not self.hang_latched:
-            d = detector_deadline(self.view(now))
-            if d is not None:
-                wake = min(wake, d)
+        if self.state in (JobState.STARTING, JobState.RUNNING):
+            times = [stallwatch.deadline(self, now),
+                     None if self.hang_latched else detector_deadline(self.view(now))]
+            wake = min([wake, *(t for t in times if t is not None)])
         return wake
 
     def view(self, now: float, exit: ProcessExit | None = None,
@@ -371,9 +373,9 @@ class JobRunner:
         """faultinject is about to inject ``kind`` (crash or hang) into ``pids``."""
         self.drill = DrillNotice(kind, self.clock(), frozenset(pids))
 
-    def take_drill(self, kind: str) -> DrillNotice | None:
+    def take_drill(self, *kinds: str) -> DrillNotice | None:
         d, self.drill = self.drill, None
-        return d if d is not None and d.fits(kind, self.clock()) else None
+        return d if d is not None and any(d.fits(k, self.clock()) for k in kinds) else None
 
     def on_gpu_fault(self, fault: Fault) -> None:
         """A fault of one of this job's GPUs (routed here by the supervisor)."""

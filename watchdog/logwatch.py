@@ -76,8 +76,10 @@ def check(r: JobRunner, now: float) -> None:
         action = Action(m.action) if m.action else r.policy.action_for(kind)
         if exited and action is Action.ALERT:
             continue  # the exit decides what happens to an attempt that has ended
-        fault = Fault(kind, r.job.name, onset=now,
-                      evidence={"rule": m.rule, "line": m.line, "before": list(m.before),
-                                "after": list(m.after)},
+        evidence = {"rule": m.rule, "line": m.line, "before": list(m.before),
+                    "after": list(m.after)}
+        if r.take_drill("log_line") is not None:
+            evidence["source"] = "drill"  # faultinject log-line wrote it
+        fault = Fault(kind, r.job.name, onset=now, evidence=evidence,
                       onset_step=r.last_step, onset_known=False)
         respond.handle(r, fault, action)

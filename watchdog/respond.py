@@ -8,7 +8,8 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import hook, rollback
+from trainwatch.actions import evidence, hook, rollback
+from trainwatch.actions import stop as stopping
 from trainwatch.policy import choose, decide
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
@@ -22,6 +23,7 @@ def on_gpu_fault(r: JobRunner, fault: Fault) -> None:
     """A fault of one of this job's GPUs (routed here by the supervisor)."""
     fault = dataclasses.replace(fault, job=r.job.name, onset_step=r.last_step,
                                 evidence=dict(fault.evidence))
+    r.stall.gpu_fault(fault)  # a stall in its window is classed as this fault
     action = choose(r.policy, fault, r.xids_seen)
     pid = fault.evidence.get("pid")
     a = r.attempt
@@ -104,17 +106,24 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
         elif fault.kind is FaultKind.HANG:
             r.hang_latched = True  # reported; again only after a new beat
         return
+    # The job is stopped from here on: what its processes show now, first.
+    capture = evidence.start(r, fault, incident)
+
+    def stop(outcome: JobState, why: str, delay: float = 0.0) -> None:
+        stopping.start(r, outcome, why, delay, capture,
+                       incident if incident is not None else -1)
+
     if action is Action.RESTART_EXCLUDE_GPU:
         exclude(r, fault)
         left = r.gpus()
         if left is not None and len(left) < r.job.gpus.min:
             run_exec_hook(r, fault.kind.value, fault.gpu)
-            r.begin_stop(JobState.FATAL, f"{fault.kind.value}: only {len(left)} healthy "
-                             f"GPUs left, the job needs {r.job.gpus.min}")
+            stop(JobState.FATAL, f"{fault.kind.value}: only {len(left)} healthy "
+                                 f"GPUs left, the job needs {r.job.gpus.min}")
             return
     if action is Action.EXEC:
         run_exec_hook(r, fault.kind.value, fault.gpu)
-        r.begin_stop(JobState.FATAL, f"{fault.kind.value}: handed to the exec hook")
+        stop(JobState.FATAL, f"{fault.kind.value}: handed to the exec hook")
         return
     if action is Action.ROLLBACK and not fatal:
         gave_up = rollback.after_anomaly(r, fault)
@@ -122,7 +131,7 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
             fatal, reason = True, gave_up
             log.error("job %s: %s: stopped", r.job.name, gave_up)
     if action is Action.STOP or fatal:
-        r.begin_stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
+        stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
         return
     r.pending_incident = incident
-    r.begin_stop(JobState.BACKOFF, f"{fault.kind.value}: {reason}", delay or 0.0)
+    stop(JobState.BACKOFF, f"{fault.kind.value}: {reason}", delay or 0.0)

@@ -262,8 +262,9 @@ class Supervisor:
                 if r.job.name == job:
                     return anomalies.inject(r, kind, args.get("scale"), args.get("steps"))
             raise ValueError(f"no job named {job!r} here")
-        if kind not in ("crash", "hang"):
-            raise ValueError(f"expected kind crash, hang, nan or grad-spike, got {kind!r}")
+        if kind not in ("crash", "hang", "nccl_stall", "log_line"):
+            raise ValueError("expected kind crash, hang, nccl_stall, log_line, nan or "
+                             f"grad-spike, got {kind!r}")
         if not isinstance(pids, list) or not all(
                 isinstance(p, int) and not isinstance(p, bool) for p in pids):
             raise ValueError("expected pids as a list of integers")

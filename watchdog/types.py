@@ -125,6 +125,7 @@ class RankView:
     last_beat: float  # monotonic
     step: int
     beats: int  # beats received from it this attempt (one alone never decides a hang)
+    advanced_at: float = 0.0  # monotonic: when its step last went up (its first beat's time)
 
 
 @dataclass(frozen=True)

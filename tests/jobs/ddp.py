@@ -23,6 +23,7 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--beat", action="store_true", help="beat through the trainwatch client")
+    p.add_argument("--print-every", type=int, default=0, help="print progress every N steps")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -45,6 +46,8 @@ def main() -> int:
         loss.backward()
         opt.step()
         hb.beat(step, loss=loss.item())
+        if a.print_every and step % a.print_every == 0:
+            print(f"[rank{rank}]: step {step} loss {loss.item():.4f}", flush=True)
         if step % a.ckpt_every == 0 and rank == 0:
             path = Path(a.ckpt_dir) / f"step_{step}.pt"
             tmp = path.with_suffix(".tmp")

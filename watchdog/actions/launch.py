@@ -10,6 +10,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from trainwatch import anomalies, logwatch, respond
+from trainwatch.actions import evidence
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.catalog import Entry
@@ -41,7 +42,7 @@ def launch(r: JobRunner, reason: str) -> None:
     r.number += 1
     try:
         a = Attempt(
-            r.job,
+            evidence.job_for_attempt(r, r.number),
             r.number,
             r.socket_path,
             cp.path if cp else None,
@@ -75,6 +76,7 @@ def launch(r: JobRunner, reason: str) -> None:
     r.catalog.seal_quarantine()
     r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
     logwatch.follow(r, a, from_end=False)
+    r.stall.new_attempt(r.job.stall)
     r.hang_latched = False
     r.drill = None  # a notice for the attempt before is not this one's
     reached, r.last_step = r.last_step, cp.step if cp else None

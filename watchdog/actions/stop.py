@@ -9,7 +9,9 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainwatch.actions import evidence
 from trainwatch.actions.attempt import Attempt
+from trainwatch.evidence.capture import Capture
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
@@ -25,6 +27,10 @@ class Stop:
     deadline: float  # SIGKILL from then
     delay: float = 0.0  # before a relaunch, when outcome is BACKOFF
     killed: bool = False
+    # The evidence taken before the kill, and the incident it belongs to: the
+    # SIGTERM waits for it (at most its timeout).
+    capture: Capture | None = None
+    incident: int = -1
 
 
 def request(r: JobRunner, reason: str) -> None:
@@ -37,18 +43,29 @@ def request(r: JobRunner, reason: str) -> None:
         r.stopping.outcome, r.stopping.reason = JobState.PAUSED, reason
 
 
-def start(r: JobRunner, outcome: JobState, reason: str, delay: float = 0.0) -> None:
-    """STOPPING now; ``outcome`` (after ``delay``, for BACKOFF) once the tree is gone."""
+def start(r: JobRunner, outcome: JobState, reason: str, delay: float = 0.0,
+          capture: Capture | None = None, incident: int = -1) -> None:
+    """STOPPING now; ``outcome`` (after ``delay``, for BACKOFF) once the tree is gone.
+    With a ``capture`` in flight, the signals wait for it (at most its timeout)."""
     now = r.clock()
-    r.stopping = Stop(outcome, reason, now + r.policy.kill_grace, delay)
+    wait = capture.timeout if capture is not None else 0.0
+    r.stopping = Stop(outcome, reason, now + wait + r.policy.kill_grace, delay, capture=capture,
+                      incident=incident)
     r.to(JobState.STOPPING, reason)
-    begin(r.attempt, r.config.observe_only)
+    if capture is None:
+        begin(r.attempt, r.config.observe_only)
     advance(r, now)
 
 
 def advance(r: JobRunner, now: float) -> None:
     s, a = r.stopping, r.attempt
     assert s is not None
+    if s.capture is not None:
+        if not s.capture.done and now < s.deadline - r.policy.kill_grace:
+            return  # the evidence first: the processes as they were at the fault
+        evidence.finish(r, s.capture, s.incident)
+        s.capture, s.deadline = None, now + r.policy.kill_grace
+        begin(a, r.config.observe_only)
     if not progress(s, a, now, r.policy.kill_grace, r.config.observe_only, r.job.name):
         return
     if a is not None:

@@ -201,7 +201,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
     usable = isinstance(said, str) and fields.NAME_RE.match(said) and said not in seen
     m = r.mapping(raw, f"jobs.{said}" if usable else f"jobs[{i}]", {
         "name", "command", "workdir", "user", "group", "env", "resume_args", "checkpoints",
-        "heartbeat", "policy", "gpus", "anomalies", "logs",
+        "heartbeat", "policy", "gpus", "anomalies", "logs", "stall", "evidence",
     })
     if not m:
         raise r.fail(f"jobs[{i}]", "a mapping with name and command", raw)
@@ -276,6 +276,8 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         policy=policy,
         anomalies=sections.anomalies(r, m.get("anomalies"), f"{path}.anomalies"),
         logs=sections.logs(r, m.get("logs"), f"{path}.logs"),
+        stall=sections.stall(r, m.get("stall"), f"{path}.stall"),
+        evidence=sections.evidence(r, m.get("evidence"), f"{path}.evidence"),
     )
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from trainwatch.config.fields import show
 from trainwatch.detectors.logrules import LogRule
 from trainwatch.detectors.loss import LossSettings
+from trainwatch.detectors.stall import StallSettings
 from trainwatch.types import Action, FaultKind
 
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
@@ -133,6 +134,17 @@ class Logs:
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """What is kept of a faulted attempt before it is killed (actions/evidence.py)."""
+
+    kinds: frozenset[FaultKind] = frozenset({FaultKind.NCCL_STALL, FaultKind.HANG})
+    timeout: float = 5.0  # the kill waits at most this long for it
+    native: bool = False  # py-spy --native: C/C++ frames too (slower)
+    log_lines: int = 50  # of the job's output, per rank where its lines say which
+    flight_recorder: bool = False  # set PyTorch's flight recorder up in the job's environment
+
+
+@dataclass(frozen=True)
 class Job:
     name: str
     command: tuple[str, ...]
@@ -147,6 +159,8 @@ class Job:
     group: str | None = None  # the job's primary group; None: the user's own
     anomalies: Anomalies = field(default_factory=Anomalies)
     logs: Logs = field(default_factory=Logs)
+    stall: StallSettings = field(default_factory=StallSettings)
+    evidence: Evidence = field(default_factory=Evidence)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A job's optional sections beyond the command and its checkpoints: the
-log rules (``logs``) and the loss watch (``anomalies``)."""
+log rules (``logs``), the loss watch (``anomalies``), the stall detector
+(``stall``) and the evidence kept before a kill (``evidence``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any
 
 from trainwatch.config import fields
 from trainwatch.config.fields import Said
-from trainwatch.config.reader import DUR, MISSING, STR, Reader, action
-from trainwatch.config.schema import Anomalies, Logs
+from trainwatch.config.reader import DUR, MISSING, OPT_DUR, STR, Reader, action
+from trainwatch.config.schema import Anomalies, Evidence, Logs
 from trainwatch.detectors.logrules import LogRule, compile_rules
 from trainwatch.detectors.loss import LossSettings
+from trainwatch.detectors.stall import StallSettings
 from trainwatch.types import DETECTED_KINDS, FaultKind
 
 
@@ -70,3 +72,41 @@ def anomalies(r: Reader, raw: object, path: str) -> Anomalies:
                      margin=r.get(m, "margin", path, fields.NATURAL, a.margin),
                      max_rollbacks=r.get(m, "max_rollbacks", path, fields.POSITIVE,
                                          a.max_rollbacks))
+
+
+def stall(r: Reader, raw: object, path: str) -> StallSettings:
+    """``stall: {factor, floor, ceiling, silence, idle_cpu}`` (detectors/stall.py)."""
+    m = r.mapping(raw, path, {"factor", "floor", "ceiling", "silence", "idle_cpu"})
+    d = StallSettings()
+    s = StallSettings(
+        factor=r.get(m, "factor", path, fields.FACTOR, d.factor),
+        floor=r.get(m, "floor", path, DUR, d.floor),
+        ceiling=r.get(m, "ceiling", path, DUR, d.ceiling),
+        silence=r.get(m, "silence", path, OPT_DUR, d.silence),
+        idle_cpu=r.get(m, "idle_cpu", path, fields.POSITIVE_NUMBER, d.idle_cpu),
+    )
+    if s.floor > s.ceiling:
+        raise r.fail(f"{path}.floor", f"at most the ceiling ({s.ceiling:g}s)", m.get("floor"))
+    return s
+
+
+def evidence(r: Reader, raw: object, path: str) -> Evidence:
+    """``evidence: {kinds: [...], timeout, native, log_lines, flight_recorder}``."""
+    m = r.mapping(raw, path, {"kinds", "timeout", "native", "log_lines", "flight_recorder"})
+    d = Evidence()
+    on = d.kinds
+    if "kinds" in m:
+        raw_on = m["kinds"]
+        known = {k.value for k in FaultKind}
+        if not isinstance(raw_on, list) or not all(isinstance(k, str) and k in known
+                                                     for k in raw_on):
+            raise r.fail(f"{path}.kinds", "a list of fault kinds (" + ", ".join(sorted(known))
+                         + ")", raw_on)
+        on = frozenset(FaultKind(k) for k in raw_on)
+    return Evidence(
+        kinds=on,
+        timeout=r.get(m, "timeout", path, DUR, d.timeout),
+        native=r.get(m, "native", path, "true or false", d.native),
+        log_lines=r.get(m, "log_lines", path, fields.NATURAL, d.log_lines),
+        flight_recorder=r.get(m, "flight_recorder", path, "true or false", d.flight_recorder),
+    )

@@ -31,6 +31,7 @@ class _Rank:
     # the last (a client may send the loss every k steps only).
     loss_step: int | None = None
     grad_norm_step: int | None = None
+    advanced_at: float = 0.0  # when its step last went up
 
     def values(self, b: Beat) -> None:
         if b.loss is not None:
@@ -57,7 +58,7 @@ class Ranks:
             if not 0 <= b.rank < self.max_ranks:
                 self.over_cap += 1
                 return None
-            self.ranks[b.rank] = r = _Rank(b.at, b.step, b.pid)
+            self.ranks[b.rank] = r = _Rank(b.at, b.step, b.pid, advanced_at=b.at)
             r.values(b)
             return True
         if b.step > r.step:
@@ -65,6 +66,7 @@ class Ranks:
             # teaches a comparable interval.
             self.intervals.append((b.at - r.last_beat) / (b.step - r.step))
             self._since_p99 += 1
+            r.advanced_at = b.at
         new_pid = r.pid != b.pid
         r.last_beat, r.step, r.pid = b.at, b.step, b.pid
         r.values(b)
@@ -95,7 +97,8 @@ class Ranks:
 
     def snapshot(self, now: float, min_samples: int) -> HeartbeatSnapshot:
         views = tuple(
-            RankView(rank, r.last_beat, r.step, r.beats) for rank, r in self.ranks.items()
+            RankView(rank, r.last_beat, r.step, r.beats, r.advanced_at)
+            for rank, r in self.ranks.items()
         )
         return HeartbeatSnapshot(now, self.started, views, self.learned_p99(min_samples))
 

@@ -198,6 +198,18 @@ class Ledger:
         )
 
     @_survive(None)
+    def amend(self, incident_id: int, evidence: dict[str, Any], rank: int | None) -> None:
+        """Evidence that came after the incident was recorded (the stacks taken
+        before the kill); ``rank`` fills the rank only where none was named."""
+        row = self.db.execute("SELECT evidence FROM incidents WHERE id=?",
+                              (incident_id,)).fetchone()
+        if row is None:
+            return
+        merged = {**json.loads(row[0]), **evidence}
+        self.db.execute("UPDATE incidents SET evidence=?, rank=COALESCE(rank, ?) WHERE id=?",
+                        (_evidence(merged), _int(rank), incident_id))
+
+    @_survive(None)
     def transition(
         self, job: str, attempt: int, old: JobState | None, new: JobState, reason: str
     ) -> None:

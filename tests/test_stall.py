@@ -1,0 +1,70 @@
+"""A real torchrun job (2 ranks, gloo, CPU) whose rank 1 is stopped mid-run:
+the others block in their all-reduce, trainwatch decides nccl_stall within
+seconds (not PyTorch's 10 minutes), names rank 1, keeps both ranks' stacks,
+and relaunches the job from its last checkpoint to the end. With the client,
+and without it (output silence and idle CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import Workspace, finish, wait_for
+from test_torchrun import _cli, _ddp
+
+
+def _stopped_rank_is_named(ws: Workspace, beat: bool) -> dict[str, object]:
+    args = ["--steps", "400", "--interval", "0.05", "--ckpt-every", "20", "--print-every", "5"]
+    job: dict[str, object] = {"command": _ddp(ws, *(["--beat"] if beat else []), *args),
+                              "gpus": {"devices": [0, 1]}}
+    if not beat:  # no reports: the catalog judges the files (renamed into place whole)
+        job["stall"] = {"silence": "4s"}
+        job["checkpoints"] = {"dir": str(ws.ckpt), "pattern": "step_{step}.pt",
+                              "quiet_for": "1s"}
+    p = ws.run(ws.config(job, gpu={"backend": "sim", "count": 2, "kmsg": None}))
+    if beat:
+        wait_for(lambda: len(ws.status().get("ranks", {})) == 2
+                 and (ws.status().get("step") or 0) >= 30, timeout=90, what="both ranks beating")
+    else:
+        wait_for(lambda: (ws.ckpt / "step_40.pt").exists(), timeout=90, what="two checkpoints")
+    r = ws.faultinject("nccl-stall", "--rank", "1")
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: ws.incidents(), timeout=60, what="the stall incident")
+    rc, out = finish(p, timeout=240)
+    assert rc == 0, out
+    incident = ws.incidents()[0]
+    assert incident["kind"] == "nccl_stall", incident
+    assert incident["rank"] == 1, incident
+    assert incident["injected"] == 1
+    assert incident["resumed_step"] is not None and incident["resumed_step"] >= 20, incident
+    assert ws.transitions()[-1] == "exited"
+    return incident
+
+
+def _stacks_of_both_ranks(ws: Workspace, incident: dict[str, object]) -> None:
+    folder = Path(ws.state) / "jobs" / "job" / "incidents" / str(incident["id"])
+    for rank in (0, 1):
+        assert (folder / "stacks" / f"rank{rank}.json").exists(), sorted(folder.rglob("*"))
+
+
+def test_a_stopped_rank_is_a_stall_named_and_recovered_with_the_client(ws: Workspace) -> None:
+    """Beats freeze on both ranks; rank 1's process is stopped: named, stacks kept and shown
+    by `trainwatch incidents --show`, the job resumed from its checkpoint to the end."""
+    incident = _stopped_rank_is_named(ws, beat=True)
+    evidence = json.loads(str(incident["evidence"]))
+    assert evidence["decided_by"] == "process_state"
+    assert incident["gpu"] == 1 and set(evidence["gpu_utilization"]) == {"0", "1"}, evidence
+    _stacks_of_both_ranks(ws, incident)
+    shown = _cli("incidents", "--state-dir", str(ws.state), "--show", str(incident["id"]))
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout
+    assert "kind: nccl_stall" in text and "verdict: rank 1" in text, text
+    assert "  rank0:" in text and "  rank1:" in text and "state T" in text, text
+
+
+def test_a_stopped_rank_is_a_stall_without_the_client(ws: Workspace) -> None:
+    """No beats: output silence and idle CPU decide it; the stopped rank is found by its RANK."""
+    incident = _stopped_rank_is_named(ws, beat=False)
+    evidence = json.loads(str(incident["evidence"]))
+    assert evidence["client"] is False and evidence["decided_by"] == "process_state"
+    _stacks_of_both_ranks(ws, incident)

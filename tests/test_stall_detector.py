@@ -1,0 +1,151 @@
+"""The stall detector (detectors/stall.py) as a table of cases: when it fires,
+which rank it names and by which evidence, and what it leaves alone."""
+
+from __future__ import annotations
+
+import pytest
+from trainwatch.detectors.stall import (
+    Proc,
+    SilentView,
+    StallSettings,
+    StallView,
+    detect,
+    detect_silent,
+    next_deadline,
+    stall_timeout,
+)
+from trainwatch.types import Fault, FaultKind, RankView
+
+S = StallSettings(factor=3.0, floor=5.0, ceiling=30.0)
+
+
+def ranks(*spec: tuple[int, int, float]) -> tuple[RankView, ...]:
+    """(rank, step, advanced_at) each, beaten many times."""
+    return tuple(RankView(r, advanced_at, step, 50, advanced_at) for r, step, advanced_at in spec)
+
+
+def procs(*spec: tuple[int, str, float | None]) -> dict[int, Proc]:
+    return {r: Proc(1000 + r, state, cpu) for r, state, cpu in spec}
+
+
+@pytest.mark.parametrize("p99, expected", [
+    (None, 30.0),  # not learned yet: the ceiling
+    (0.05, 5.0),  # fast steps: the floor
+    (4.0, 12.0),  # 3 x p99
+    (20.0, 30.0),  # slow steps: never past the ceiling
+])
+def test_the_stall_timeout_is_learned_within_floor_and_ceiling(p99: float | None,
+                                                              expected: float) -> None:
+    """factor x p99 step time, clamped to [floor, ceiling]; the ceiling before it is learned."""
+    assert stall_timeout(p99, S) == expected
+
+
+CASES = [
+    # name, ranks, procs, now, expected (kind, rank, decided_by) or None
+    ("one rank alone is a hang's business", ranks((0, 10, 0.0)), {}, 100.0, None),
+    ("a rank advanced within the timeout", ranks((0, 10, 0.0), (1, 10, 96.0)), {}, 100.0, None),
+    ("the rank behind the others is named", ranks((0, 11, 0.0), (1, 10, 0.0), (2, 11, 0.0)),
+     {}, 6.0, (FaultKind.NCCL_STALL, 1, "step")),
+    ("the stopped rank is named", ranks((0, 10, 0.0), (1, 10, 0.0)),
+     procs((0, "S", 0.0), (1, "T", 0.0)), 6.0, (FaultKind.NCCL_STALL, 1, "process_state")),
+    ("a rank in D state is named", ranks((0, 10, 0.0), (1, 10, 0.0), (2, 10, 0.0)),
+     procs((0, "R", 1.0), (1, "R", 1.0), (2, "D", 0.0)), 6.0,
+     (FaultKind.NCCL_STALL, 2, "process_state")),
+    ("the idle rank among spinning ones is named",
+     ranks((0, 10, 0.0), (1, 10, 0.0), (2, 10, 0.0), (3, 10, 0.0)),
+     procs((0, "R", 1.0), (1, "R", 0.98), (2, "S", 0.0), (3, "R", 1.0)), 6.0,
+     (FaultKind.NCCL_STALL, 2, "cpu")),
+    ("all idle, none odd: a stall with no rank named", ranks((0, 10, 0.0), (1, 10, 0.0)),
+     procs((0, "S", 0.0), (1, "S", 0.0)), 6.0, (FaultKind.NCCL_STALL, None, "none")),
+    ("all busy, none odd: a long phase, not yet a stall", ranks((0, 10, 0.0), (1, 10, 0.0)),
+     procs((0, "R", 1.0), (1, "R", 1.0)), 6.0, None),
+    ("all busy past the ceiling: a stall", ranks((0, 10, 0.0), (1, 10, 0.0)),
+     procs((0, "R", 1.0), (1, "R", 1.0)), 31.0, (FaultKind.NCCL_STALL, None, "none")),
+    ("two stopped ranks: neither named by state", ranks((0, 10, 0.0), (1, 10, 0.0), (2, 10, 0.0)),
+     procs((0, "T", 0.0), (1, "T", 0.0), (2, "S", 0.0)), 6.0, (FaultKind.NCCL_STALL, None, "none")),
+]
+
+
+@pytest.mark.parametrize("name, rs, ps, now, expected", CASES, ids=[c[0] for c in CASES])
+def test_stall_cases(name: str, rs: tuple[RankView, ...], ps: dict[int, Proc], now: float,
+                     expected: tuple[FaultKind, int | None, str] | None) -> None:
+    """Each case: fires or not, the kind, the rank named and the evidence that named it."""
+    f = detect("j", StallView(now, rs, 0.05, ps), S)
+    if expected is None:
+        assert f is None
+        return
+    assert f is not None
+    assert (f.kind, f.rank, f.evidence["decided_by"]) == expected
+    assert f.onset == max(r.advanced_at for r in rs)  # the stall began at the last advance
+
+
+def test_a_gpu_fault_in_the_window_classes_the_stall_as_that_fault() -> None:
+    """An Xid on the job's GPU while the ranks freeze: the incident is gpu_xid, the stall inside."""
+    xid = Fault(FaultKind.GPU_XID, "j", 0.5, {"xid": 79}, gpu=3)
+    v = StallView(6.0, ranks((0, 10, 0.0), (1, 10, 0.0)), 0.05,
+                  procs((0, "S", 0.0), (1, "T", 0.0)), (xid,), {0: 2, 1: 3})
+    f = detect("j", v, S)
+    assert f is not None and f.kind is FaultKind.GPU_XID and f.gpu == 3 and f.rank == 1
+    assert f.evidence["xid"] == 79 and f.evidence["stall"]["decided_by"] == "process_state"
+
+
+def test_an_old_gpu_fault_does_not_class_a_later_stall() -> None:
+    """A GPU fault long before the freeze is not its cause."""
+    old = Fault(FaultKind.GPU_XID, "j", 10.0, {"xid": 13}, gpu=0)
+    v = StallView(106.0, ranks((0, 10, 100.0), (1, 10, 100.0)), 0.05,
+                  procs((0, "S", 0.0), (1, "T", 0.0)), (old,), {0: 0, 1: 1})
+    f = detect("j", v, S)
+    assert f is not None and f.kind is FaultKind.NCCL_STALL and f.gpu == 1
+
+
+def test_the_deadline_is_the_last_advance_plus_the_timeout() -> None:
+    """The loop wakes exactly when a stall could first be decided."""
+    v = StallView(0.0, ranks((0, 10, 3.0), (1, 10, 4.0)), 2.0)
+    assert next_deadline(v, S) == 4.0 + 6.0
+    assert next_deadline(StallView(0.0, ranks((0, 1, 3.0)), 2.0), S) is None
+
+
+SILENT = StallSettings(silence=20.0)
+
+
+@pytest.mark.parametrize("silent_for, ps, expected", [
+    (None, procs((0, "S", 0.0)), None),  # no log: unknown, never judged
+    (10.0, procs((0, "S", 0.0), (1, "S", 0.0)), None),  # not silent long enough
+    (25.0, procs((0, "S", 0.0), (1, "R", 0.9)), None),  # silent but working
+    (25.0, procs((0, "S", 0.0), (1, "T", 0.0), (-77, "S", 0.01)), 1),  # the stopped rank
+    (25.0, procs((0, "S", 0.0), (1, "S", 0.0)), None),  # stuck, no rank named (rank None)
+])
+def test_silence_and_idle_cpu_stand_in_for_the_client(silent_for: float | None,
+                                                      ps: dict[int, Proc],
+                                                      expected: int | None) -> None:
+    """Without beats: silent and idle for `silence` is a stall; the stopped rank is named."""
+    f = detect_silent("j", SilentView(100.0, silent_for, ps, 60.0), SILENT)
+    fires = silent_for is not None and silent_for >= 20 and all(
+        p.state == "T" or (p.cpu_rate or 0) < 0.05 for p in ps.values())
+    assert (f is not None) == fires
+    if f is not None:
+        assert f.kind is FaultKind.NCCL_STALL and f.rank == expected
+        assert f.evidence["client"] is False
+
+
+def test_silence_is_off_by_default() -> None:
+    """A job that never promised output is never judged by its silence."""
+    v = SilentView(100.0, 1e6, procs((0, "S", 0.0)), 1e6)
+    assert detect_silent("j", v, StallSettings()) is None
+
+
+@pytest.mark.parametrize("section, value, where", [
+    ("stall", {"floor": "40s"}, "jobs.j.stall.floor"),  # above the 30 s ceiling
+    ("stall", {"factor": 0}, "jobs.j.stall.factor"),
+    ("stall", {"silence": "soon"}, "jobs.j.stall.silence"),
+    ("evidence", {"kinds": ["stall"]}, "jobs.j.evidence.kinds"),
+    ("evidence", {"timeout": -1}, "jobs.j.evidence.timeout"),
+])
+def test_bad_stall_and_evidence_settings_are_one_config_error(section: str, value: object,
+                                                              where: str) -> None:
+    """Each mistake is a ConfigError of one line naming the field."""
+    from trainwatch.config import ConfigError, from_mapping
+
+    with pytest.raises(ConfigError) as e:
+        from_mapping({"jobs": [{"name": "j", "command": ["x"], section: value}]}, "c.yaml")
+    assert str(e.value).startswith(f"c.yaml: {where}: expected") and "\n" not in str(e.value)

@@ -1,0 +1,177 @@
+"""nccl_stall: the ranks of a job stop advancing while their processes live.
+
+When one rank of a data-parallel job stops (SIGSTOP, a stuck kernel, a dead
+NIC), the others block in the next collective: every rank goes quiet at about
+the same step, and PyTorch's own watchdog waits 10 minutes before it says so.
+This decides within seconds, from what trainwatch sees of every rank:
+
+- armed once two ranks or more have beaten twice (one rank alone is a hang,
+  detectors/hang.py); it fires when no rank has advanced its step for the
+  stall timeout: ``factor`` x the p99 step time, within ``floor`` and
+  ``ceiling`` (the ceiling until the step time is learned);
+- which rank: the one behind the others' step; else the one whose process is
+  stopped ('T') or in uninterruptible sleep ('D'); else the one idle while the
+  others spin; else none (the stacks may still tell, evidence/capture.py).
+  ``decided_by`` says which evidence named it;
+- every rank busy on the CPU and none the odd one out is a long synchronous
+  phase (an evaluation, a checkpoint save) until the ceiling: only then a stall;
+- a GPU fault on the job's GPUs in the same window wins: the incident is
+  classed as that fault (``gpu_xid``, ...), with the stall as its evidence.
+
+``detect_silent`` is the fallback for a job without the client: output silent
+and every process idle (or stopped) for ``silence``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from trainwatch.types import Fault, FaultKind, RankView
+
+STOPPED = frozenset({"T", "t", "D"})  # stopped, traced, uninterruptible sleep
+
+
+@dataclass(frozen=True)
+class StallSettings:
+    factor: float = 3.0  # x the p99 step time
+    floor: float = 5.0  # never sooner: a checkpoint save or a GC pause is not a stall
+    ceiling: float = 30.0  # never later (PyTorch's NCCL timeout is 600 s)
+    silence: float | None = None  # without the client: silent and idle this long; None: off
+    idle_cpu: float = 0.05  # cores: below this a process counts as idle
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One rank's process at the instant of judgement."""
+
+    pid: int
+    state: str  # /proc's letter: R S D T t Z
+    cpu_rate: float | None  # cores used since the previous sample; None: one sample only
+
+
+@dataclass(frozen=True)
+class StallView:
+    now: float
+    ranks: tuple[RankView, ...]
+    p99: float | None  # learned seconds per step, None until enough samples
+    procs: Mapping[int, Proc] = field(default_factory=dict)  # by rank
+    gpu_faults: tuple[Fault, ...] = ()  # recent faults of the job's GPUs (gpu_*)
+    gpus: Mapping[int, int] = field(default_factory=dict)  # rank -> GPU, where known
+
+
+@dataclass(frozen=True)
+class SilentView:
+    """A job without the client: its processes and its output."""
+
+    now: float
+    silent_for: float | None  # seconds since the job last wrote output; None: unknown
+    procs: Mapping[int, Proc]  # by rank (from RANK in its environment), or by pid (-pid)
+    attempt_age: float
+
+
+def stall_timeout(p99: float | None, s: StallSettings) -> float:
+    if p99 is None:
+        return s.ceiling
+    return min(s.ceiling, max(s.floor, s.factor * p99))
+
+
+def _judges(v: StallView) -> list[RankView]:
+    return [r for r in v.ranks if r.beats >= 2]
+
+
+def next_deadline(v: StallView, s: StallSettings) -> float | None:
+    judges = _judges(v)
+    if len(judges) < 2:
+        return None
+    return max(r.advanced_at for r in judges) + stall_timeout(v.p99, s)
+
+
+def _idle(p: Proc | None, idle_cpu: float) -> bool:
+    return p is not None and p.cpu_rate is not None and p.cpu_rate < idle_cpu
+
+
+def _busy(p: Proc | None, idle_cpu: float) -> bool:
+    return p is not None and p.cpu_rate is not None and p.cpu_rate >= idle_cpu
+
+
+def name_rank(steps: Mapping[int, int], procs: Mapping[int, Proc],
+              idle_cpu: float) -> tuple[int | None, str]:
+    """The rank that stalled the others, and the evidence that named it
+    ("step", "process_state", "cpu"), or (None, "none")."""
+    if steps:
+        low = min(steps.values())
+        behind = [r for r, st in steps.items() if st == low]
+        if len(behind) == 1 and len(steps) > 1:
+            return behind[0], "step"
+    ranks = sorted(steps) if steps else sorted(procs)
+    halted = [r for r in ranks if (p := procs.get(r)) is not None and p.state in STOPPED]
+    if len(halted) == 1:
+        return halted[0], "process_state"
+    idle = [r for r in ranks if _idle(procs.get(r), idle_cpu)]
+    busy = [r for r in ranks if _busy(procs.get(r), idle_cpu)]
+    if len(idle) == 1 and len(busy) == len(ranks) - 1:
+        return idle[0], "cpu"
+    return None, "none"
+
+
+def _procs_evidence(procs: Mapping[int, Proc]) -> dict[str, object]:
+    return {str(r): {"pid": p.pid, "state": p.state,
+                     "cpu": None if p.cpu_rate is None else round(p.cpu_rate, 3)}
+            for r, p in sorted(procs.items())}
+
+
+def detect(job: str, v: StallView, s: StallSettings) -> Fault | None:
+    judges = _judges(v)
+    if len(judges) < 2:
+        return None
+    t = stall_timeout(v.p99, s)
+    since = max(r.advanced_at for r in judges)  # the last time any rank advanced
+    quiet = v.now - since
+    if quiet < t:
+        return None
+    steps = {r.rank: r.step for r in judges}
+    rank, decided_by = name_rank(steps, v.procs, s.idle_cpu)
+    procs = [v.procs.get(r.rank) for r in judges]
+    if rank is None and quiet < s.ceiling and all(_busy(p, s.idle_cpu) for p in procs):
+        return None  # every rank working: an evaluation or a save, until the ceiling
+    evidence: dict[str, object] = {
+        "no_progress_for_s": round(quiet, 3),
+        "timeout_s": round(t, 3),
+        "learned": v.p99 is not None,
+        "steps": {str(r): st for r, st in sorted(steps.items())},
+        "decided_by": decided_by,
+    }
+    if v.procs:
+        evidence["processes"] = _procs_evidence(v.procs)
+    gpu = v.gpus.get(rank) if rank is not None else None
+    onset_step = steps[rank] if rank is not None else min(steps.values())
+    window = [f for f in v.gpu_faults if f.onset >= since - t]
+    if window:
+        # A GPU fault in the same window is the cause, the stall its symptom.
+        g = window[-1]
+        return Fault(g.kind, job, since, {**g.evidence, "stall": evidence}, rank=rank,
+                     gpu=g.gpu if g.gpu is not None else gpu, onset_step=onset_step)
+    return Fault(FaultKind.NCCL_STALL, job, since, evidence, rank=rank, gpu=gpu,
+                 onset_step=onset_step)
+
+
+def detect_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
+    """No output and no CPU from any process for ``silence``: stuck (the client's
+    absence is never enough on its own: the job must also be idle)."""
+    if s.silence is None or v.silent_for is None or v.silent_for < s.silence:
+        return None
+    if v.attempt_age < s.silence or not v.procs:
+        return None
+    if not all(p.state in STOPPED or _idle(p, s.idle_cpu) for p in v.procs.values()):
+        return None
+    ranks = {r: p for r, p in v.procs.items() if r >= 0}
+    rank, decided_by = name_rank({}, ranks, s.idle_cpu)
+    evidence: dict[str, object] = {
+        "silent_for_s": round(v.silent_for, 3),
+        "silence_s": s.silence,
+        "decided_by": decided_by if rank is not None else "none",
+        "processes": _procs_evidence(v.procs),
+        "client": False,
+    }
+    return Fault(FaultKind.NCCL_STALL, job, v.now - v.silent_for, evidence, rank=rank)

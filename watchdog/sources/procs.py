@@ -1,0 +1,80 @@
+"""The job's processes as the stall detector sees them: each one's state letter
+and the CPU it used since the previous sample (utime + stime from
+/proc/<pid>/stat through psutil), and, for a job without the client, which
+rank each process is (torchrun puts ``RANK`` in every worker's environment)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+import psutil
+from trainwatch.detectors.stall import Proc
+
+_LETTER = {
+    psutil.STATUS_RUNNING: "R", psutil.STATUS_SLEEPING: "S", psutil.STATUS_DISK_SLEEP: "D",
+    psutil.STATUS_STOPPED: "T", psutil.STATUS_TRACING_STOP: "t", psutil.STATUS_ZOMBIE: "Z",
+    psutil.STATUS_DEAD: "X", psutil.STATUS_IDLE: "I",
+}
+
+
+_BASE_MIN = 0.5  # a rate over less than this is noise (CPU time counts in 10 ms ticks)
+_BASE_MAX = 5.0  # a rate over more than this says little of the stall
+
+
+class Sampler:
+    """Samples pids; a pid's CPU rate is over the time since an earlier sample
+    taken between ``_BASE_MIN`` and ``_BASE_MAX`` seconds before (None: none)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.prev: dict[int, tuple[float, float, float | None]] = {}  # pid -> (at, cpu s, rate)
+        self.ranks: dict[int, int | None] = {}  # pid -> RANK from its environment
+
+    def sample(self, pids: Mapping[int, int]) -> dict[int, Proc]:
+        """``pids``: key (a rank) -> pid. A process that is gone is left out."""
+        now = self.clock()
+        out: dict[int, Proc] = {}
+        seen: dict[int, tuple[float, float, float | None]] = {}
+        for key, pid in pids.items():
+            try:
+                p = psutil.Process(pid)
+                with p.oneshot():
+                    state = _LETTER.get(p.status(), "?")
+                    t = p.cpu_times()
+            except psutil.Error:
+                continue
+            cpu = t.user + t.system
+            before = self.prev.get(pid)
+            rate = None
+            if before is not None and now - before[0] < _BASE_MIN:
+                seen[pid], rate = before, before[2]  # too soon for a rate of its own
+            else:
+                if before is not None and now - before[0] <= _BASE_MAX:
+                    rate = max(0.0, cpu - before[1]) / (now - before[0])
+                seen[pid] = (now, cpu, rate)
+            out[key] = Proc(pid, state, rate)
+        self.prev = seen
+        return out
+
+    def rank_of(self, pid: int) -> int | None:
+        """The RANK in the process's environment (read once per pid); None: none."""
+        if pid not in self.ranks:
+            rank: int | None = None
+            try:
+                raw = psutil.Process(pid).environ().get("RANK")
+                rank = int(raw) if raw is not None and raw.isdigit() else None
+            except (psutil.Error, OSError, ValueError):
+                rank = None
+            self.ranks[pid] = rank
+        return self.ranks[pid]
+
+    def by_rank(self, pids: Iterable[int]) -> dict[int, int]:
+        """Key -> pid for a job without the client: a worker by its RANK, any
+        other process by its negated pid (the launcher, a shell)."""
+        keyed: dict[int, int] = {}
+        for pid in pids:
+            rank = self.rank_of(pid)
+            key = rank if rank is not None and rank not in keyed else -pid
+            keyed[key] = pid
+        return keyed

@@ -1,0 +1,140 @@
+"""A job's ranks against the stall detector (detectors/stall.py): the ranks'
+steps from their beats, their processes' state and CPU (sources/procs.py,
+sampled only while no rank advances, so a healthy job costs nothing), the GPU
+faults of the job's GPUs; and, for a job without the client, its output's
+silence and its processes' CPU. A stall is a fault for respond.py like any
+other; the evidence taken before the kill is actions/evidence.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from trainwatch import respond
+from trainwatch.detectors import stall
+from trainwatch.detectors.stall import SilentView, StallSettings, StallView
+from trainwatch.policy import choose
+from trainwatch.sources.procs import Sampler
+from trainwatch.types import Action, Fault, FaultKind, JobState
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
+
+_SAMPLE_AFTER = 1.0  # no rank advanced this long: sample the processes (for CPU rates)
+_MIN_SAMPLES = 20  # step intervals before the stall timeout is learned
+
+
+class StallWatch:
+    def __init__(self, settings: StallSettings) -> None:
+        self.settings = settings
+        self.sampler = Sampler()
+        self.gpu_faults: deque[Fault] = deque(maxlen=8)
+        self.sampled = False  # the processes were sampled at the last tick
+
+    def new_attempt(self, settings: StallSettings) -> None:
+        self.settings, self.sampler, self.sampled = settings, Sampler(), False
+        self.gpu_faults.clear()
+
+    def gpu_fault(self, fault: Fault) -> None:
+        """A fault of one of the job's GPUs: it wins over a stall in its window."""
+        self.gpu_faults.append(fault)
+
+
+def _view(r: JobRunner, now: float, sample: bool) -> StallView:
+    w = r.stall
+    snap = r.ranks.snapshot(now, _MIN_SAMPLES)
+    procs = w.sampler.sample(r.ranks.pids()) if sample else {}
+    gpus = r.attempt.gpus if r.attempt is not None else None
+    by_rank = {rank: gpus[rank % len(gpus)] for rank in r.ranks.pids()} if gpus else {}
+    return StallView(now, snap.ranks, snap.intervals_p99, procs, tuple(w.gpu_faults), by_rank)
+
+
+def deadline(r: JobRunner, now: float) -> float | None:
+    """When a stall could next be decided (for the loop's sleep)."""
+    w = r.stall
+    if not r.ranks.beaten:
+        return now + 1.0 if w.settings.silence is not None else None
+    d = stall.next_deadline(_view(r, now, sample=False), w.settings)
+    if d is not None and w.sampled:
+        d = min(d, now + 1.0)  # keep sampling while the ranks are quiet
+    return d
+
+
+def check(r: JobRunner, now: float) -> None:
+    """Judge the job's ranks now; a stall is handled (respond.py)."""
+    w, a = r.stall, r.attempt
+    if a is None or r.state not in (JobState.STARTING, JobState.RUNNING):
+        return
+    if not r.ranks.beaten:
+        _check_silent(r, now)
+        return
+    v = _view(r, now, sample=False)
+    d = stall.next_deadline(v, w.settings)
+    if d is None:
+        return
+    newest = max(x.advanced_at for x in v.ranks)
+    w.sampled = now - newest >= _SAMPLE_AFTER
+    if not w.sampled:
+        return
+    if now < d:
+        w.sampler.sample(r.ranks.pids())  # the CPU rates at judgement are over a second
+        return
+    r.intake.drain()  # a beat may be queued: read it before judging
+    fault = stall.detect(r.job.name, _view(r, now, sample=True), w.settings)
+    if fault is not None:
+        _act(r, fault)
+
+
+def _check_silent(r: JobRunner, now: float) -> None:
+    w, a = r.stall, r.attempt
+    assert a is not None
+    if w.settings.silence is None or a.closed:
+        return
+    try:
+        silent_for: float | None = max(0.0, time.time() - os.stat(a.log_path).st_mtime)
+    except OSError:
+        silent_for = None
+    if silent_for is None or silent_for < w.settings.silence / 2:
+        w.sampled = False
+        return
+    procs = w.sampler.sample(w.sampler.by_rank(a.tree.scan()))
+    w.sampled = True
+    v = SilentView(now, silent_for, procs, now - a.started)
+    fault = stall.detect_silent(r.job.name, v, w.settings)
+    if fault is not None:
+        _act(r, fault)
+
+
+def _gpu_utilization(r: JobRunner) -> dict[str, float]:
+    """The last utilisation polled of each of the attempt's GPUs (a stalled
+    collective leaves them idle; a stuck kernel keeps one busy)."""
+    w, a = r.gpuwatch, r.attempt
+    if w is None or a is None or not a.gpus:
+        return {}
+    out = {}
+    for gpu in a.gpus:
+        g = w.health.gpus.get(gpu)
+        u = g.last.utilization_ratio if g is not None and g.last is not None else None
+        if u is not None:
+            out[str(gpu)] = round(u, 3)
+    return out
+
+
+def _act(r: JobRunner, fault: Fault) -> None:
+    extra: dict[str, object] = {}
+    if r.take_drill("nccl_stall", "hang") is not None:
+        extra["source"] = "drill"
+    util = _gpu_utilization(r)
+    if util:
+        extra["gpu_utilization"] = util
+    if extra:
+        fault = dataclasses.replace(fault, evidence={**fault.evidence, **extra})
+    action = choose(r.policy, fault, r.xids_seen)
+    if fault.kind is not FaultKind.NCCL_STALL and action is Action.ALERT:
+        # The GPU fault alone was only worth an alert; with the job stuck on it,
+        # the stall's action applies.
+        action = r.policy.action_for(FaultKind.NCCL_STALL)
+    respond.handle(r, fault, action)
