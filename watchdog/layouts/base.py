@@ -1,0 +1,169 @@
+"""What every layout shares: the verdict on one checkpoint (`Found`), and the
+file checks that need no framework: a torch.save archive whose central
+directory reads, a safetensors file as long as its header says, a JSON file
+that parses. Only os.stat, os.scandir and small reads: nothing is unpickled
+and torch is never imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Found:
+    step: int
+    path: str  # the checkpoint's file or folder (absolute)
+    complete: bool  # the framework itself would load it
+    why: str  # what marked it complete, or what is missing
+
+
+# A header this long is not a real safetensors file (the library caps it at 100 MB).
+_MAX_HEADER = 100 * 1024 * 1024
+# Small control files (trackers, JSON state) are read whole only below this size.
+MAX_SMALL = 16 * 1024 * 1024
+
+
+def size(path: str) -> int | None:
+    """The size of a regular file, or None when it is absent or not a file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size if os.path.isfile(path) else None
+
+
+def torch_archive(path: str) -> str | None:
+    """None when ``path`` is a torch.save file whose zip central directory reads
+    (torch >= 1.6 writes a zip: torch/serialization.py ``_save`` via
+    ``PyTorchFileWriter``, holding ``<archive>/data.pkl``); else what is wrong.
+    The central directory is the last thing written, so a file cut short or
+    still being written fails here. The legacy (non-zip) format is refused."""
+    n = size(path)
+    if n is None:
+        return f"{os.path.basename(path)} missing"
+    if n == 0:
+        return f"{os.path.basename(path)} empty"
+    try:
+        if not zipfile.is_zipfile(path):
+            return f"{os.path.basename(path)} truncated (no zip directory)"
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return f"{os.path.basename(path)} unreadable zip"
+    if not any(name.endswith("data.pkl") for name in names):
+        return f"{os.path.basename(path)} holds no data.pkl"
+    return None
+
+
+def safetensors_file(path: str) -> str | None:
+    """None when ``path`` is as long as its safetensors header says (8-byte
+    little-endian header length, a JSON header, then the tensors' bytes up to
+    the largest ``data_offsets`` end); else what is wrong."""
+    name = os.path.basename(path)
+    n = size(path)
+    if n is None:
+        return f"{name} missing"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{name} truncated"
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > min(_MAX_HEADER, n - 8):
+                return f"{name} truncated"
+            header = json.loads(f.read(hlen))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"{name} unreadable header"
+    if not isinstance(header, dict):
+        return f"{name} unreadable header"
+    end = 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) for o in offsets)):
+            return f"{name} unreadable header"
+        end = max(end, offsets[1])
+    want = 8 + hlen + end
+    if n < want:
+        return f"{name} truncated"
+    if n > want:
+        return f"{name} longer than its header says"
+    return None
+
+
+def json_file(path: str) -> tuple[Any, str | None]:
+    """The parsed content of a small JSON file, or (None, what is wrong)."""
+    name = os.path.basename(path)
+    n = size(path)
+    if n is None:
+        return None, f"no {name}"
+    if n > MAX_SMALL:
+        return None, f"{name} too large"
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read()), None
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None, f"{name} partial or not JSON"
+
+
+def small_text(path: str) -> str | None:
+    """The stripped text of a small file (a tracker), None when absent or unreadable."""
+    n = size(path)
+    if n is None or n > 4096:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def entries(root: Path | str) -> Iterator[os.DirEntry[str]]:
+    """The entries of ``root``; nothing when it is absent or unreadable."""
+    try:
+        with os.scandir(root) as it:
+            yield from list(it)
+    except OSError:
+        return
+
+
+def is_dir(e: os.DirEntry[str]) -> bool:
+    try:
+        return e.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
+
+
+def step_regex(pattern: str) -> re.Pattern[str]:
+    """The catalog's ``pattern`` (one ``{step}``) as an anchored regex."""
+    if pattern.count("{step}") != 1:
+        raise ValueError(f"pattern {pattern!r} must contain {{step}} exactly once")
+    head, _, tail = pattern.partition("{step}")
+    return re.compile(rf"^{re.escape(head)}(\d+){re.escape(tail)}$")
+
+
+def basename_step(regex: re.Pattern[str], path: str) -> int | None:
+    m = regex.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def scan_dirs(root: Path, regex: re.Pattern[str],
+              judge: Callable[[int, str], Found]) -> list[Found]:
+    """Judge every folder of ``root`` named by ``regex``, oldest step first."""
+    out = []
+    for e in entries(root):
+        m = regex.match(e.name)
+        if m and is_dir(e):
+            out.append(judge(int(m.group(1)), os.path.abspath(e.path)))
+    out.sort(key=lambda f: f.step)
+    return out
