@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("trainwatch")
 
-KINDS = ("ledger", "status", "catalog", "log", "gpus", "runtime", "rings")
+KINDS = ("ledger", "status", "catalog", "log", "gpus", "runtime", "rings", "manifest")
 _LOG_EVERY = 60.0  # seconds between two log lines of one kind
 
 
