@@ -5,6 +5,9 @@ skip window honoured.
 
     trainwatch run --checkpoint-dir OUT/ckpt -- python examples/torch_train.py --out OUT
 
+With --dcp each checkpoint is a torch.distributed.checkpoint folder
+(OUT/ckpt/step_N/, ``.metadata`` written last) instead of one torch.save file.
+
 Drills, on the first attempt only (TRAINWATCH_ATTEMPT unset or 0):
 --nan-at S fills a weight with NaN before step S, so its loss really is NaN;
 --crash-at S raises after step S. OUT/progress.jsonl records each attempt's
@@ -45,6 +48,7 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per step")
     p.add_argument("--nan-at", type=int)
     p.add_argument("--crash-at", type=int)
+    p.add_argument("--dcp", action="store_true", help="save with torch.distributed.checkpoint")
     a = p.parse_args()
     ckpt = a.out / "ckpt"
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -55,7 +59,14 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     w = Watch()
     start, resume = 0, w.resume_from()
-    if resume:
+    if resume and a.dcp:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": model.state_dict(), "step": torch.tensor(0)}
+        dcp.load(state, checkpoint_id=resume)  # in place, into these tensors
+        model.load_state_dict(state["model"])
+        start = int(state["step"])
+    elif resume:
         state = torch.load(resume, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
@@ -73,7 +84,14 @@ def main() -> int:
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the pre-clip norm
         opt.step()
         w.step(step, loss, gn)
-        if step % a.ckpt_every == 0:
+        if step % a.ckpt_every == 0 and a.dcp:
+            import torch.distributed.checkpoint as dcp
+
+            path = ckpt / f"step_{step}"  # a folder; .metadata, written last, completes it
+            dcp.save({"model": model.state_dict(), "step": torch.tensor(step)},
+                     checkpoint_id=path)
+            w.checkpoint(step, path)
+        elif step % a.ckpt_every == 0:
             path = ckpt / f"step_{step}.pt"
             tmp = path.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)

@@ -120,7 +120,8 @@ INCIDENTS = [_incident_row(3, "llama", "crash"),
 CHECKPOINTS = {"job": "llama", "checkpoints": [
     {"step": 10, "path": "/ck/step_10", "verdict": "good", "why": None, "last_good": False},
     {"step": 20, "path": "/ck/step_20", "verdict": "good", "why": None, "last_good": True,
-     "health": {"loss": 2.3456789, "loss_z": -0.42}},
+     "health": {"loss": 2.3456789, "loss_z": -0.42}, "size": 3 << 20, "time": 1.8e9,
+     "attempts": [1, 2]},
     {"step": 30, "path": "/ck/step_30", "verdict": "quarantined",
      "why": "after a nan_loss at step 27", "last_good": False},
     {"step": 40, "path": "/ck/step_40", "verdict": "bad", "why": "missing model.pt",
@@ -257,16 +258,18 @@ def test_incidents_with_a_bare_run_dir_does_not_guess_a_ledger(run_dir: str) -> 
 
 
 def test_checkpoints_table_marks_the_last_good(daemon: Daemon, run_dir: str) -> None:
-    """checkpoints JOB: STEP VERDICT LOSS PATH (WHY), the last good one's verdict "last
-    good", the loss when it was reported (and its distance from the recent mean)."""
+    """checkpoints JOB: STEP VERDICT LOSS SIZE WRITTEN RESUMED-BY PATH (WHY), the last good
+    one's verdict "last good", the loss when it was reported (and its distance from the
+    recent mean), and the attempts that resumed from it."""
     lines = _ok(_tw("checkpoints", "llama", "--run-dir", run_dir))
-    assert daemon.calls == [("checkpoints", {"job": "llama"})]
+    assert daemon.calls == [("checkpoints", {"job": "llama", "plan": False})]
+    written = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1.8e9))
     assert [" ".join(line.split()) for line in lines] == [
-        "STEP VERDICT LOSS PATH",
-        "10 good - /ck/step_10",
-        "20 last good 2.346 (-0.4 sd) /ck/step_20",
-        "30 quarantined - /ck/step_30 (after a nan_loss at step 27)",
-        "40 bad - /ck/step_40 (missing model.pt)",
+        "STEP VERDICT LOSS SIZE WRITTEN RESUMED BY PATH",
+        "10 good - - - - /ck/step_10",
+        f"20 last good 2.346 (-0.4 sd) 3.0M {written} 1,2 /ck/step_20",
+        "30 quarantined - - - - /ck/step_30 (after a nan_loss at step 27)",
+        "40 bad - - - - /ck/step_40 (missing model.pt)",
     ]
     assert json.loads(_tw("checkpoints", "llama", "--run-dir", run_dir, "--json").stdout) \
         == CHECKPOINTS

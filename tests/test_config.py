@@ -270,8 +270,9 @@ BAD: list[object] = [
         id="pattern-with-slash",
     ),
     pytest.param(
-        _job(checkpoints="{layout: megatron}"),
-        "<file>: jobs.train.checkpoints.layout: expected generic, got 'megatron'",
+        _job(checkpoints="{layout: orbax}"),
+        "<file>: jobs.train.checkpoints.layout: expected one of auto, generic, fixed, hf,"
+        " lightning, dcp, megatron, deepspeed, got 'orbax'",
         id="checkpoint-layout-unknown",
     ),
     pytest.param(
@@ -544,6 +545,7 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
         *(f.name for f in dataclasses.fields(LossSettings)),
         "stall", "ceiling", "silence", "idle_cpu",
         "evidence", "kinds", "native", "log_lines", "flight_recorder",
+        "verify", "verify_timeout", "keep", "last", "every", "pinned", "min_free_bytes",
     }
     lines = EXAMPLE.read_text().splitlines()
     shown = {m.group(1) for line in lines if (m := re.match(r"\s*(?:- )?(\w+):", line))}

@@ -173,7 +173,7 @@ def test_a_flood_of_checkpoint_reports_does_not_stall_the_loop(ws: Workspace) ->
         "hb.beat(1)\nd = sys.argv[1]\n"
         "for i in range(4000):\n"
         "    inside = i % 2 == 0\n"
-        "    path = os.path.join(d if inside else '/tmp', 'step_%d' % i + 'x' * 3000)\n"
+        "    path = os.path.join(d, 'step_%d' % i) if inside else '/tmp/step_%d' % i + 'x' * 3000\n"
         "    hb.checkpoint(i, path)\n"
         "open(os.path.join(d, '..', 'sent'), 'w').close()\n"
         "time.sleep(600)\n")

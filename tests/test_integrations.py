@@ -285,28 +285,6 @@ def _name(pattern: str, step: int) -> str:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_example_crashed_once_resumes_from_its_last_reported_checkpoint(
-    ws: Workspace, kind: str
-) -> None:
-    """Crashed after step 7 (checkpoints every 3): relaunched from step 6's checkpoint, it
-    trains step 7 next and finishes all 9 steps."""
-    job, out = _example(ws, kind, "--steps", "9", "--ckpt-every", "3", "--crash-at", "7")
-    rc, log = finish(ws.run(ws.config(job)), timeout=120)
-    assert rc == 0, log
-    pattern = KINDS[kind][1]
-    (incident,) = ws.incidents()
-    assert incident["kind"] == "crash"
-    assert incident["resumed_step"] == 6
-    assert incident["resumed_from"] == str(out / "ckpt" / _name(pattern, 6))
-    runs = _progress(out)
-    starts = [e for e in runs if e["event"] == "start"]
-    assert [(e["attempt"], e["first_step"]) for e in starts] == [(0, 1), (1, 7)], runs
-    assert starts[1]["resume_from"] == incident["resumed_from"]
-    assert [e for e in runs if e["event"] == "end"] == [
-        {"event": "end", "last_step": 9, "skipped": [], "attempt": 1}]
-
-
-@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_example_driven_into_nan_is_rolled_back_before_the_nan_step(
     ws: Workspace, kind: str
 ) -> None:

@@ -14,7 +14,7 @@ from test_torchrun import _cli, _ddp
 
 
 def _stopped_rank_is_named(ws: Workspace, beat: bool) -> dict[str, object]:
-    args = ["--steps", "400", "--interval", "0.05", "--ckpt-every", "20", "--print-every", "5"]
+    args = ["--steps", "150", "--interval", "0.05", "--ckpt-every", "20", "--print-every", "5"]
     job: dict[str, object] = {"command": _ddp(ws, *(["--beat"] if beat else []), *args),
                               "gpus": {"devices": [0, 1]}}
     if not beat:  # no reports: the catalog judges the files (renamed into place whole)

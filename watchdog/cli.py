@@ -22,6 +22,7 @@ from trainwatch.config import (
 )
 
 DEFAULT_CONFIG = "/etc/trainwatch/trainwatch.yaml"
+LAYOUTS = fields.LAYOUTS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +45,13 @@ def _duration(text: str) -> float:
         return fields.duration(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {fields.DUR}, got {text!r}") from None
+
+
+def _duration_or_zero(text: str) -> float:
+    try:
+        return fields.duration_or_zero(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0 or {fields.DUR}, got {text!r}") from None
 
 
 def _natural(text: str) -> int:
@@ -123,21 +131,48 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
     cp = job.checkpoints
     if args.checkpoint_dir is not None:
         cp = replace(cp, dir=args.checkpoint_dir)
+    if args.checkpoint_marker is not None:
+        if not args.checkpoint_marker or "/" in args.checkpoint_marker:
+            raise ConfigError("--checkpoint-marker: expected a file name without '/', got "
+                              f"{args.checkpoint_marker!r}")
+        cp = replace(cp, marker=args.checkpoint_marker)
+    if args.checkpoint_quiet_for is not None:
+        cp = replace(cp, quiet_for=args.checkpoint_quiet_for)
+    if args.layout is not None:
+        cp = replace(cp, layout=args.layout)
     if args.checkpoint_pattern is not None:
-        if args.checkpoint_pattern.count("{step}") != 1 or "/" in args.checkpoint_pattern:
-            raise ConfigError(
-                "--checkpoint-pattern: expected a file name pattern with one {step} and no '/',"
-                f" got {args.checkpoint_pattern!r}"
-            )
+        fixed = cp.layout == "fixed"
+        if "/" in args.checkpoint_pattern or (
+                ("{step}" in args.checkpoint_pattern) if fixed
+                else args.checkpoint_pattern.count("{step}") != 1):
+            want = ("the one file's name, without {step} or '/' (--layout fixed)" if fixed
+                    else "a file name pattern with one {step} and no '/'")
+            raise ConfigError(f"--checkpoint-pattern: expected {want}, got "
+                              f"{args.checkpoint_pattern!r}")
         cp = replace(cp, pattern=args.checkpoint_pattern)
+    elif cp.layout == "fixed" and args.layout is not None and not args.config:
+        raise ConfigError("--layout fixed: expected --checkpoint-pattern naming the one file "
+                          "(e.g. snapshot.pt), got none")
     if args.resume_arg:
         if not any("{checkpoint}" in a for a in args.resume_arg):
             raise ConfigError("--resume-arg: expected an argument containing {checkpoint}")
         job = replace(job, resume_args=tuple(args.resume_arg))
     job = replace(job, heartbeat=hb, checkpoints=cp)
     policies = dict(config.policies)
+    pol = policies[job.policy]
     if args.max_restarts is not None:
-        policies[job.policy] = replace(policies[job.policy], max_restarts=args.max_restarts)
+        pol = replace(pol, max_restarts=args.max_restarts)
+    if args.kill_grace is not None:
+        pol = replace(pol, kill_grace=args.kill_grace)
+    if args.backoff is not None or args.backoff_max is not None:
+        b = pol.backoff
+        b = replace(b, initial=args.backoff if args.backoff is not None else b.initial,
+                    max=args.backoff_max if args.backoff_max is not None else b.max)
+        if b.max < b.initial:
+            raise ConfigError(f"--backoff-max: expected at least the backoff ({b.initial:g}s),"
+                              f" got {b.max:g}s")
+        pol = replace(pol, backoff=b)
+    policies[job.policy] = pol
     config = replace(
         config,
         jobs=(job,),
@@ -231,6 +266,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--run-dir", help="where the heartbeat socket lives")
     r.add_argument("--checkpoint-dir", help="where the job writes checkpoints")
     r.add_argument("--checkpoint-pattern", help="checkpoint names, e.g. 'step_{step}' (default)")
+    r.add_argument("--layout", choices=LAYOUTS,
+                   help="how the job writes checkpoints (default auto: recognises hf,"
+                        " lightning, dcp, megatron and deepspeed, else learns the names)")
+    r.add_argument("--checkpoint-marker", metavar="NAME",
+                   help="a file whose presence inside (or beside) a checkpoint means complete")
+    r.add_argument("--checkpoint-quiet-for", type=_duration, metavar="DURATION",
+                   help="a checkpoint unchanged this long is complete (default off)")
     r.add_argument("--resume-arg", action="append", metavar="ARG",
                    help="appended when resuming; repeat; e.g. --resume-arg=--resume "
                         "--resume-arg={checkpoint}")
@@ -241,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no first beat this long after a launch is a hang; needs"
                         " --require-heartbeat (default off)")
     r.add_argument("--max-restarts", type=_natural, help="within the window (default 10 in 24h)")
+    r.add_argument("--backoff", type=_duration_or_zero, metavar="DURATION",
+                   help="the wait before the first relaunch, doubling after; 0: at once"
+                        " (default 10s)")
+    r.add_argument("--backoff-max", type=_duration, metavar="DURATION",
+                   help="the longest wait before a relaunch (default 10m)")
+    r.add_argument("--kill-grace", type=_duration, metavar="DURATION",
+                   help="SIGTERM, then SIGKILL after this long (default 30s)")
     r.add_argument("--metrics-port", type=_port,
                    help="the Prometheus exporter's port (default 9445; 0: off)")
     r.add_argument("--metrics-address", type=_address,

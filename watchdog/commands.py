@@ -24,7 +24,14 @@ from trainwatch.config import ConfigError, default_dirs, load
 from trainwatch.control import GROUP, ControlError, control_path, request
 from trainwatch.evidence import show
 from trainwatch.state.ledger import Ledger
-from trainwatch.tables import age, render_checkpoints, render_incidents, render_status, state_word
+from trainwatch.tables import (
+    age,
+    render_checkpoints,
+    render_incidents,
+    render_plan,
+    render_status,
+    state_word,
+)
 
 __all__ = [
     "add_parsers",
@@ -209,9 +216,11 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 @_command
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    reply = ask(run_dir_of(args), "checkpoints", {"job": args.job})
+    reply = ask(run_dir_of(args), "checkpoints", {"job": args.job, "plan": args.plan})
     if args.json:
         _print_json(reply)
+    elif args.plan:
+        print(_render("checkpoints", lambda: render_plan(reply)))
     else:
         print(_render("checkpoints", lambda: render_checkpoints(reply)))
     return 0
@@ -303,6 +312,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
     c = command("checkpoints", "a job's checkpoints and their verdicts", cmd_checkpoints)
     c.add_argument("job")
+    c.add_argument("--plan", action="store_true",
+                   help="what retention (checkpoints.keep) would delete now, and why the "
+                        "rest stays; deletes nothing")
 
     r = command("rollback", "relaunch a job from the checkpoint of a step", cmd_rollback)
     r.add_argument("job")

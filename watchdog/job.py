@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from trainwatch import adopt, anomalies, exits, logwatch, respond, stallwatch
-from trainwatch.actions import credentials
+from trainwatch.actions import credentials, prune
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.launch import launch
@@ -44,7 +44,7 @@ from trainwatch.intake import Intake
 from trainwatch.logwatch import LogWatch
 from trainwatch.policy import RestartHistory, XidHistory
 from trainwatch.sources.ranks import Ranks
-from trainwatch.state import runtime
+from trainwatch.state import runtime, verifier
 from trainwatch.state.catalog import Catalog, Summary
 from trainwatch.state.ledger import Ledger
 from trainwatch.types import (
@@ -101,7 +101,8 @@ class JobRunner:
         self.dir = status.job_dir(config.state_dir, job.name)
         owner = job.checkpoints.dir or " ".join(job.command)
         self.catalog = Catalog(job.checkpoints, self.dir / "catalog.json",
-                               owner=f"{owner}|{job.checkpoints.pattern}")
+                               owner=f"{owner}|{job.checkpoints.pattern}",
+                               verifier=verifier.for_job(job.checkpoints, self.dir))
         self.history = RestartHistory()
         self.state: JobState | None = None
         self.attempt: Attempt | None = None
@@ -234,9 +235,10 @@ class JobRunner:
                                    health=health):
             self.reports_refused += 1
             if self.reports_refused == 1:
-                log.warning("job %s: refused a checkpoint report (outside %s, or of a "
-                            "quarantined step from an attempt being stopped): %.200s",
-                            self.job.name, self.job.checkpoints.dir, obs.path)
+                log.warning("job %s: refused a checkpoint report (outside %s, not named "
+                            "by its layout with this step, or of a quarantined step from "
+                            "an attempt being stopped): step %d, %.200s", self.job.name,
+                            self.job.checkpoints.dir, obs.step, obs.path)
             return
         self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
         log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step, obs.path)
@@ -291,6 +293,7 @@ class JobRunner:
     def refresh_checkpoints(self) -> None:
         self.checkpoints = self.catalog.summary()
         self.checkpoints_at = self.clock() + _CATALOG_EVERY
+        prune.after_refresh(self)
 
     def tick(self, now: float) -> None:
         self.intake.tick(now)
@@ -402,7 +405,7 @@ class JobRunner:
         self.intake.close()
         if self.logwatch is not None:
             self.logwatch.close()
-        self.catalog.flush(force=True)
+        self.catalog.close()
 
     def goodput(self, now: float) -> float | None:
         """1 - seconds lost to faults / seconds supervised; None before the first launch."""

@@ -13,9 +13,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainwatch import __version__
-from trainwatch.actions import rollback
+from trainwatch.actions import prune, rollback
 from trainwatch.actions.launch import launch
 from trainwatch.policy import RestartHistory
+from trainwatch.state import retention
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def answer(sup: Supervisor, op: str, args: dict[str, Any]) -> dict[str, Any]:
         return sup.reload()
     r = _runner(sup, args)
     if op == "checkpoints":
-        return checkpoints(r)
+        return retention_plan(r) if args.get("plan") else checkpoints(r)
     if op == "rollback":
         step = args.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
@@ -126,14 +127,31 @@ def incidents(sup: Supervisor, args: dict[str, Any]) -> dict[str, Any]:
     return {"incidents": rows}
 
 
+def retention_plan(r: JobRunner) -> dict[str, Any]:
+    """What retention would delete now (checkpoints.keep), and why the rest stays."""
+    p = prune.plan(r)
+    return {"job": r.job.name, "rules": r.job.checkpoints.keep.deletes,
+            "delete": [{"step": c.step, "path": c.path, "size": c.size} for c in p.delete],
+            "kept": [{"step": s, "why": why} for s, why in p.kept[-200:]],
+            "free_bytes": retention.free_bytes(r.catalog.spec.dir)
+            if r.catalog.spec.dir else None}
+
+
 def checkpoints(r: JobRunner) -> dict[str, Any]:
     entries = r.catalog.entries()
     good = [e for e in entries if e.good]
     out = []
     for e in entries[-200:]:
         verdict = ("quarantined" if e.bad and e.why.startswith("bad: quarantined")
-                   else "bad" if e.bad else "good" if e.good else "unchecked")
+                   else "bad" if e.bad else "good" if e.good else "incomplete")
+        try:
+            st = os.stat(e.path)
+            size: int | None = retention.size_of(e.path)
+            mtime: float | None = st.st_mtime
+        except OSError:
+            size = mtime = None
         out.append({"step": e.step, "path": e.path, "verdict": verdict,
                     "why": e.why, "last_good": bool(good) and e is good[-1],
-                    "health": r.catalog.health.get(e.step)})
+                    "health": r.catalog.health.get(e.step), "size": size, "time": mtime,
+                    "attempts": r.catalog.used.get(e.step, [])})
     return {"job": r.job.name, "checkpoints": out}

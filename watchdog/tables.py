@@ -103,9 +103,26 @@ def render_checkpoints(reply: dict[str, Any]) -> str:
     if not cps:
         return f"no checkpoints for {reply['job']}"
     rows = [(str(c["step"]), "last good" if c.get("last_good") else str(c["verdict"]),
-             _loss(c.get("health")), c["path"] + (f" ({c['why']})" if c.get("why") else ""))
+             _loss(c.get("health")), _size(c.get("size")), _when(c.get("time")),
+             ",".join(map(str, c.get("attempts") or [])) or "-",
+             c["path"] + (f" ({c['why']})" if c.get("why") else ""))
             for c in cps]
-    return _table(("STEP", "VERDICT", "LOSS", "PATH"), rows)
+    return _table(("STEP", "VERDICT", "LOSS", "SIZE", "WRITTEN", "RESUMED BY", "PATH"), rows)
+
+
+def _size(n: object) -> str:
+    if not isinstance(n, int):
+        return "-"
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def _when(t: object) -> str:
+    if not isinstance(t, (int, float)):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
 def _loss(health: object) -> str:
@@ -115,3 +132,14 @@ def _loss(health: object) -> str:
         return "-"
     z = health.get("loss_z")
     return f"{health['loss']:.4g}" + (f" ({z:+.1f} sd)" if isinstance(z, (int, float)) else "")
+
+
+def render_plan(reply: dict[str, Any]) -> str:
+    """Retention's plan: what would be deleted, then why each other one stays."""
+    if not reply["rules"]:
+        return f"{reply['job']}: no checkpoints.keep rule: nothing is ever deleted"
+    rows = [(str(c["step"]), "delete", c["path"]) for c in reply["delete"]]
+    rows += [(str(k["step"]), "keep", str(k["why"])) for k in reply["kept"]]
+    free = reply.get("free_bytes")
+    tail = f"\nfree: {free / 1e9:.1f} GB" if isinstance(free, int) else ""
+    return _table(("STEP", "PLAN", "PATH / WHY"), sorted(rows, key=lambda r: int(r[0]))) + tail

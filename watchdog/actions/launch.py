@@ -10,10 +10,9 @@ import statistics
 from typing import TYPE_CHECKING
 
 from trainwatch import anomalies, logwatch, respond
-from trainwatch.actions import evidence
+from trainwatch.actions import evidence, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
-from trainwatch.state.catalog import Entry
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import JobState
 
@@ -22,11 +21,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainwatch")
 
+_VERIFY_POLL = 0.05  # while a relaunch waits for its checkpoint's verification
+
+
+def none_good(r: JobRunner) -> None:
+    """Checkpoints on disk but none good: said loudly, not a silent start from scratch."""
+    entries = r.catalog.known()
+    if not entries:
+        return
+    r.events.fresh_starts.labels(r.job.name).inc()
+    said = "; ".join(f"step {e.step}: {e.why}" for e in entries[-3:][::-1])
+    log.error("job %s: %d checkpoint(s) in %s, none good (%s%s): starting from scratch",
+              r.job.name, len(entries), r.catalog.spec.dir, said,
+              "; ..." if len(entries) > 3 else "")
+
 
 def launch(r: JobRunner, reason: str) -> None:
     """Start the next attempt from the last good checkpoint, on the healthy GPUs;
     FATAL when it cannot start."""
-    cp: Entry | None = r.catalog.last_good()
+    ready, cp = verify.checkpoint_to_use(r, wait=r.state is not JobState.BACKOFF)
+    if not ready:  # its check is still running (in a thread): the relaunch waits for it
+        r.relaunch_at = r.clock() + _VERIFY_POLL
+        return
+    if cp is None:
+        none_good(r)
     gpus = r.gpus()
     if gpus is None and any("{num_gpus}" in x for x in r.job.command):
         why = ("the command uses {num_gpus}, but trainwatch sees no GPUs here (NVML is "
@@ -63,6 +81,8 @@ def launch(r: JobRunner, reason: str) -> None:
         log.error("job %s: %s", r.job.name, what)
         r.to(JobState.FATAL, what)
         return
+    if cp is not None:
+        r.catalog.used_by(cp.step, r.number)
     if r.attempt is not None:
         r.output_dropped_before += r.attempt.dropped
     r.attempt = a

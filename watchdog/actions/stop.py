@@ -9,7 +9,7 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import evidence
+from trainwatch.actions import evidence, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.evidence.capture import Capture
 from trainwatch.types import JobState
@@ -77,6 +77,7 @@ def advance(r: JobRunner, now: float) -> None:
     if s.outcome is JobState.BACKOFF:
         r.relaunch_at = now + s.delay
         r.to(JobState.BACKOFF, f"relaunch in {s.delay:.2f}s")
+        verify.prefetch(r)  # the checkpoint the relaunch will use, checked meanwhile
     else:
         r.to(s.outcome, s.reason)
 

@@ -248,13 +248,19 @@ def backend(v: object) -> str:
     return str(v)
 
 
+# How a job writes its checkpoints (trainwatch.layouts; generic: names matching
+# checkpoints.pattern; fixed: one path overwritten in place; auto: recognised).
+LAYOUTS = ("auto", "generic", "fixed", "hf", "lightning", "dcp", "megatron", "deepspeed")
+
+
 def layout(v: object) -> str:
-    if v != "generic":
+    if not isinstance(v, str) or v not in LAYOUTS:
         raise ValueError(v)
-    return "generic"
+    return v
 
 
 STR = "a non-empty string"
+LAYOUT = "one of " + ", ".join(LAYOUTS)
 DUR = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"
 DUR0 = "a duration >= 0 such as 0, 30s or 5m (at most 10 years)"
 OPT_DUR = "a duration > 0 such as 30s, 5m or 24h (at most 10 years), or null"
@@ -285,5 +291,5 @@ CHECKS: dict[str, Any] = {
     NAME: name,
     "a file name pattern with one {step} and no '/'": pattern,
     "auto, nvml, sim or off": backend,
-    "generic": layout,
+    LAYOUT: layout,
 }

@@ -21,7 +21,6 @@ from trainwatch.config.reader import action as _action
 from trainwatch.config.schema import (
     DEFAULT_ACTIONS,
     Backoff,
-    Checkpoints,
     Config,
     ConfigError,
     Escalate,
@@ -225,21 +224,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
     env = _env(r, m.get("env"), f"{path}.env")
     _check_exec_size(r, path, command, resume_args, env)
 
-    cp = f"{path}.checkpoints"
-    c = r.mapping(
-        m.get("checkpoints"), cp, {"dir", "layout", "pattern", "marker", "quiet_for", "bad_after"}
-    )
-    dc = Checkpoints()
-    checkpoints = Checkpoints(
-        dir=r.get(c, "dir", cp, _STR, None),
-        layout=r.get(c, "layout", cp, "generic", dc.layout),
-        pattern=r.get(
-            c, "pattern", cp, "a file name pattern with one {step} and no '/'", dc.pattern
-        ),
-        marker=r.get(c, "marker", cp, _STR, None),
-        quiet_for=r.get(c, "quiet_for", cp, _OPT_DUR, None),
-        bad_after=r.get(c, "bad_after", cp, fields.POSITIVE, dc.bad_after),
-    )
+    checkpoints = sections.checkpoints(r, m.get("checkpoints"), f"{path}.checkpoints")
     heartbeat = _heartbeat(r, m.get("heartbeat"), f"{path}.heartbeat")
 
     policy = r.get(m, "policy", path, _STR, "default")

@@ -12,6 +12,7 @@ from trainwatch.config.fields import show
 from trainwatch.detectors.logrules import LogRule
 from trainwatch.detectors.loss import LossSettings
 from trainwatch.detectors.stall import StallSettings
+from trainwatch.state.retention import Keep
 from trainwatch.types import Action, FaultKind
 
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
@@ -104,11 +105,14 @@ class Heartbeat:
 @dataclass(frozen=True)
 class Checkpoints:
     dir: str | None = None
-    layout: str = "generic"
+    layout: str = "auto"  # the framework recognised, else the pattern (learned from reports)
     pattern: str = "step_{step}"
     marker: str | None = None  # a file whose presence inside (or beside) means complete
     quiet_for: float | None = None  # unchanged this long means complete; None: off
     bad_after: int = 3  # deaths before the first beat that mark a checkpoint bad
+    keep: Keep = field(default_factory=Keep)  # retention; unset: nothing is ever deleted
+    verify: bool = True  # a manifest per checkpoint, checked before a relaunch resumes from it
+    verify_timeout: float = 60.0  # a relaunch waits at most this long for the check
 
 
 @dataclass(frozen=True)

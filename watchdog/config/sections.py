@@ -1,6 +1,7 @@
 """A job's optional sections beyond the command and its checkpoints: the
 log rules (``logs``), the loss watch (``anomalies``), the stall detector
-(``stall``) and the evidence kept before a kill (``evidence``)."""
+(``stall``), the evidence kept before a kill (``evidence``), and the
+checkpoints with their retention (``checkpoints``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Any
 from trainwatch.config import fields
 from trainwatch.config.fields import Said
 from trainwatch.config.reader import DUR, MISSING, OPT_DUR, STR, Reader, action
-from trainwatch.config.schema import Anomalies, Evidence, Logs
+from trainwatch.config.schema import Anomalies, Checkpoints, Evidence, Logs
 from trainwatch.detectors.logrules import LogRule, compile_rules
 from trainwatch.detectors.loss import LossSettings
 from trainwatch.detectors.stall import StallSettings
+from trainwatch.state.retention import Keep
 from trainwatch.types import DETECTED_KINDS, FaultKind
 
 
@@ -110,3 +112,65 @@ def evidence(r: Reader, raw: object, path: str) -> Evidence:
         log_lines=r.get(m, "log_lines", path, fields.NATURAL, d.log_lines),
         flight_recorder=r.get(m, "flight_recorder", path, "true or false", d.flight_recorder),
     )
+
+
+_PATTERN = "a file name pattern with one {step} and no '/'"
+_FIXED = "the one file's name, without '/' (layout fixed)"
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _bytes(v: object) -> int:
+    """An integer of bytes, or a string with a binary suffix: 500G, 1.5T, 200M."""
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+        return v
+    if isinstance(v, str):
+        text = v.strip().lower().removesuffix("ib").removesuffix("b")
+        unit = text[-1:] if text[-1:] in _UNITS else ""
+        number = float(text[: len(text) - len(unit)])
+        if number >= 0:
+            return int(number * _UNITS[unit])
+    raise ValueError(v)
+
+
+def checkpoints(r: Reader, raw: object, path: str) -> Checkpoints:
+    """``checkpoints: {dir, layout, pattern, marker, quiet_for, bad_after, keep}``."""
+    c = r.mapping(raw, path, {"dir", "layout", "pattern", "marker", "quiet_for", "bad_after",
+                              "keep", "verify", "verify_timeout"})
+    d = Checkpoints()
+    layout = r.get(c, "layout", path, fields.LAYOUT, d.layout)
+    pattern = r.get(c, "pattern", path, STR, d.pattern)
+    if layout == "fixed":
+        if "/" in pattern or "{step}" in pattern or "pattern" not in c:
+            raise r.fail(f"{path}.pattern", _FIXED, c.get("pattern", MISSING))
+    elif pattern.count("{step}") != 1 or "/" in pattern:
+        raise r.fail(f"{path}.pattern", _PATTERN, pattern)
+    return Checkpoints(
+        dir=r.get(c, "dir", path, STR, None),
+        layout=layout,
+        pattern=pattern,
+        marker=r.get(c, "marker", path, STR, None),
+        quiet_for=r.get(c, "quiet_for", path, OPT_DUR, None),
+        bad_after=r.get(c, "bad_after", path, fields.POSITIVE, d.bad_after),
+        keep=_keep(r, c.get("keep"), f"{path}.keep"),
+        verify=r.get(c, "verify", path, "true or false", d.verify),
+        verify_timeout=r.get(c, "verify_timeout", path, DUR, d.verify_timeout),
+    )
+
+
+def _keep(r: Reader, raw: object, path: str) -> Keep:
+    """``keep: {last, every, pinned, min_free_bytes}``; all unset: nothing is deleted."""
+    k = r.mapping(raw, path, {"last", "every", "pinned", "min_free_bytes"})
+    pinned = k.get("pinned") or []
+    if not isinstance(pinned, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pinned):
+        raise r.fail(f"{path}.pinned", "a list of steps (integers >= 0)", pinned)
+    free = k.get("min_free_bytes")
+    if free is not None:
+        try:
+            free = _bytes(free)
+        except (ValueError, IndexError):
+            raise r.fail(f"{path}.min_free_bytes",
+                         "a number of bytes, e.g. 500000000000 or 500G", free) from None
+    return Keep(last=r.get(k, "last", path, fields.POSITIVE, None) if "last" in k else None,
+                every=r.get(k, "every", path, fields.POSITIVE, None) if "every" in k else None,
+                pinned=tuple(pinned), min_free_bytes=free)

@@ -77,6 +77,12 @@ class Events:
                                   registry=r)
         self.steps_lost = Counter("trainwatch_job_steps_lost",
                                   "Steps redone after relaunches.", ["job"], registry=r)
+        self.deletions = Counter("trainwatch_job_checkpoints_deleted",
+                                 "Checkpoints retention deleted (outcome deleted) or tried "
+                                 "to (failed).", ["job", "outcome"], registry=r)
+        self.fresh_starts = Counter("trainwatch_job_fresh_starts_with_checkpoints",
+                                    "Launches from scratch although checkpoints were on disk: "
+                                    "none was judged good.", ["job"], registry=r)
         self.seconds_lost = Counter("trainwatch_job_seconds_lost",
                                     "Seconds lost to faults: onset to the relaunch's first "
                                     "heartbeat, plus redoing the lost steps.", ["job"],
@@ -91,6 +97,9 @@ class Events:
         self.relaunch.labels(job)
         self.steps_lost.labels(job)
         self.seconds_lost.labels(job)
+        for outcome in ("deleted", "failed"):
+            self.deletions.labels(job, outcome)
+        self.fresh_starts.labels(job)
 
 
 class StateCollector(Collector):

@@ -1,20 +1,23 @@
 """The checkpoint catalog: which checkpoints exist, which are complete and
 valid, and which is the last good one (before a given step).
 
+What is on disk and what its layout says of each checkpoint is ondisk.py's
+(kept incrementally: the cost does not grow with the number of checkpoints).
 Generic layout: entries (files or directories) under ``checkpoints.dir`` whose
-names match ``pattern`` with one ``{step}``. An entry is complete when the job
-reported it with ``client.checkpoint()``, or its completion marker exists, or
-(if ``quiet_for`` is set) nothing in it changed for that long. A checkpoint
-from which the job dies before its first heartbeat ``bad_after`` times in a
-row is marked bad and passed over. The catalog never deletes or writes a
-checkpoint; its own state is one JSON file written atomically.
+names match ``pattern`` with one ``{step}``; complete when the job reported it
+with ``client.checkpoint()``, or its completion marker exists, or (if
+``quiet_for`` is set) nothing in it changed for that long. A framework's layout
+(trainwatch.layouts) is complete only when the framework itself would load it,
+reported or not. A checkpoint from which the job dies before its first
+heartbeat ``bad_after`` times in a row is marked bad and passed over. The
+catalog never deletes or writes a checkpoint; its own state is one JSON file
+written atomically, bounded (``MAX_REPORTS``) and at most once a second.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,6 +26,9 @@ from typing import Any
 
 from trainwatch.config import Checkpoints
 from trainwatch.state import atomic, statewrites
+from trainwatch.state.checkpointlayout import make_layout
+from trainwatch.state.ondisk import Layout, OnDisk
+from trainwatch.state.verifier import Verifier
 
 log = logging.getLogger("trainwatch")
 
@@ -49,30 +55,6 @@ class Summary:
     counts: dict[str, int] = field(default_factory=dict)  # good / incomplete / bad
 
 
-def _newest_mtime(path: Path) -> float:
-    try:
-        newest = path.stat().st_mtime
-    except OSError:
-        return time.time()
-    if path.is_dir():
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                try:
-                    newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
-                except OSError:
-                    continue  # removed while we looked: treat as changing
-    return newest
-
-
-def _nonempty(path: Path) -> bool:
-    try:
-        if path.is_dir():
-            return any(path.iterdir())
-        return path.stat().st_size > 0
-    except OSError:
-        return False
-
-
 # A job's reports are bounded: the newest this many steps are kept, a path is at
 # most PATH_MAX, and the state file is rewritten at most once per SAVE_EVERY
 # seconds however fast reports come (a job flooding reports must not turn into
@@ -92,6 +74,8 @@ class Catalog:
         state_file: str | os.PathLike[str],
         clock: Callable[[], float] = time.time,
         owner: str = "",
+        layout: Layout | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         """``owner`` names what the saved state belongs to (the checkpoint dir, or
         the command when there is none): state saved for another owner (a job of
@@ -100,8 +84,6 @@ class Catalog:
         self.spec = replace(spec, dir=os.path.abspath(spec.dir) if spec.dir else None)
         self.state_file = Path(state_file)
         self.clock = clock
-        head, _, tail = spec.pattern.partition("{step}")
-        self._regex = re.compile(rf"^{re.escape(head)}(\d+){re.escape(tail)}$")
         self.owner = owner or f"{self.spec.dir}|{spec.pattern}"
         state = atomic.read_json(self.state_file) or {}
         if state and state.get("owner") != self.owner:
@@ -127,6 +109,25 @@ class Catalog:
         self.health: dict[int, dict[str, Any]] = {
             int(k): v for k, v in raw_health.items() if isinstance(v, dict)
         } if isinstance(raw_health, dict) else {}
+        raw_used = state.get("used", {})
+        self.used: dict[int, list[int]] = {  # step -> the attempts that resumed from it
+            int(k): [int(x) for x in v][-16:] for k, v in raw_used.items()
+            if isinstance(v, list)} if isinstance(raw_used, dict) else {}
+        raw_versions = state.get("versions", {})
+        self.versions: dict[int, tuple[int, int, int]] = {
+            int(k): (int(v[0]), int(v[1]), int(v[2])) for k, v in raw_versions.items()
+            if isinstance(v, list) and len(v) == 3
+        } if isinstance(raw_versions, dict) else {}
+        self.layout = layout or make_layout(self.spec, self.reported, self.versions, clock)
+        self.disk = OnDisk(self.layout, self.spec.dir)
+        self._entries: dict[int, Entry] = {}  # by step, as last judged
+        self._stale: set[int] = set()  # steps whose entry must be rebuilt
+        self._all_stale = True
+        self.pruned_at: int | None = -1  # the last good step at the last retention pass
+        # Manifests of good checkpoints, made in the background (state/verifier.py),
+        # and the check a relaunch waits for (actions/verify.py).
+        self.verifier = verifier
+        self.checking: object = None  # an actions.verify.Check
 
     def _save(self) -> None:
         try:
@@ -140,79 +141,109 @@ class Catalog:
             self.state_file,
             {"owner": self.owner, "reported": self.reported, "bad": self.bad,
              "failed_starts": self.failed_starts, "health": self.health,
+             "versions": {k: list(v) for k, v in self.versions.items()},
+             "used": self.used,
              "fence": list(self.fence) if self.fence else None},
         )
 
     def step_of(self, path: str) -> int | None:
-        m = self._regex.match(os.path.basename(os.path.normpath(path)))
-        return int(m.group(1)) if m else None
+        return self.layout.step_of(path)
+
+    def _update(self, force: bool) -> None:
+        """Bring the entries up to date with the disk (listing it when ``force``)."""
+        changed = self.disk.refresh(force)
+        if self._all_stale:
+            changed |= set(self._entries) | set(self.disk.steps)
+            self._all_stale = False
+        changed |= self._stale
+        self._stale = set()
+        first = not self._entries
+        for step in changed:
+            v = self.disk.verdicts.get(step)
+            old = self._entries.pop(step, None)
+            if v is None:
+                continue
+            e = self._entries[step] = self._entry(step, *v)
+            if e.good and not first and (old is None or not old.good) and self.verifier:
+                self.verifier.submit(step, e.path)  # newly complete: its manifest now
+        if first and self.verifier is not None:
+            good = self._newest_good()
+            if good is not None:  # at start: the one a relaunch would use, not all history
+                self.verifier.submit(good.step, good.path)
+
+    def _entry(self, step: int, path: str, complete: bool, why: str) -> Entry:
+        if self.fence is not None and step > self.fence[0] and step not in self.bad:
+            self.bad[step] = f"{QUARANTINED}{self.fence[1]}"
+            self._dirty = True
+        if step in self.bad:
+            return Entry(step, path, complete, True, f"bad: {self.bad[step]}")
+        return Entry(step, path, complete, False, why)
 
     def entries(self) -> list[Entry]:
-        """Every checkpoint on disk, oldest first, with its verdict."""
-        found: dict[int, Path] = {}
-        if self.spec.dir is not None:
-            try:
-                names = os.listdir(self.spec.dir)
-            except OSError:
-                names = []
-            for name in names:
-                m = self._regex.match(name)
-                if m:
-                    found[int(m.group(1))] = Path(self.spec.dir, name)
-        for step, reported in self.reported.items():
-            inside = self.spec.dir is None or os.path.dirname(reported) == self.spec.dir
-            if step not in found and inside and os.path.exists(reported):
-                found[step] = Path(reported)
-        now = self.clock()
-        out = []
-        for step in sorted(found):
-            path = found[step]
-            complete, why = self._complete(step, path, now)
-            verdict: str = why
-            if self.fence is not None and step > self.fence[0] and step not in self.bad:
-                self.bad[step] = f"{QUARANTINED}{self.fence[1]}"
-                self._dirty = True
-            bad = step in self.bad
-            if bad:
-                verdict = f"bad: {self.bad[step]}"
-            elif complete and not _nonempty(path):
-                complete, verdict = False, "empty"
-            out.append(Entry(step, str(path), complete, bad, verdict))
-        return out
+        """Every checkpoint on disk, oldest first, with its verdict (the folder is
+        listed now: for a relaunch, a rollback and the operator's commands)."""
+        self._update(force=True)
+        return [self._entries[s] for s in self.disk.steps if s in self._entries]
 
-    def _complete(self, step: int, path: Path, now: float) -> tuple[bool, str]:
-        if self.reported.get(step) == str(path):
-            return True, "reported by the job"
-        marker = self.spec.marker
-        if marker is not None:
-            where = path / marker if path.is_dir() else Path(f"{path}{marker}")
-            if where.exists():
-                return True, f"marker {where.name}"
-        quiet = self.spec.quiet_for
-        if quiet is not None and now - _newest_mtime(path) >= quiet:
-            return True, f"unchanged for {quiet:g}s"
-        return False, "incomplete"
+    def known(self) -> list[Entry]:
+        """The entries as last judged, brought up to date without listing the folder."""
+        self._update(force=False)
+        return [self._entries[s] for s in self.disk.steps if s in self._entries]
 
-    def last_good(self, before_step: int | None = None) -> Entry | None:
-        """The newest good checkpoint, strictly before ``before_step`` if given."""
-        for e in reversed(self.entries()):
-            if e.good and (before_step is None or e.step < before_step):
+    def forget(self, step: int) -> None:
+        """Retention deleted it."""
+        self.disk.drop(step)
+        self._entries.pop(step, None)
+        if self.verifier is not None:
+            self.verifier.forget(step)
+
+    def used_by(self, step: int, attempt: int) -> None:
+        """Attempt ``attempt`` resumed from this checkpoint (``trainwatch checkpoints``)."""
+        self.used.setdefault(step, []).append(attempt)
+        self.used[step] = self.used[step][-16:]
+        while len(self.used) > MAX_REPORTS:
+            del self.used[min(self.used)]
+        self._dirty = True
+
+    def mark_bad(self, step: int, why: str) -> None:
+        """Verification found it changed since its manifest: never resumed from."""
+        self.bad[step] = why
+        self._stale.add(step)
+        self._save()
+
+    def close(self) -> None:
+        self.flush(force=True)
+        if self.verifier is not None:
+            self.verifier.close(timeout=5.0)
+
+    def last_good(self, before_step: int | None = None, fresh: bool = True) -> Entry | None:
+        """The newest good checkpoint, strictly before ``before_step`` if given
+        (``fresh``: list the folder first, as a relaunch must)."""
+        self._update(force=fresh)
+        return self._newest_good(before_step)
+
+    def _newest_good(self, before_step: int | None = None) -> Entry | None:
+        for step in reversed(self.disk.steps):
+            e = self._entries.get(step)
+            if e is not None and e.good and (before_step is None or e.step < before_step):
                 return e
         return None
 
     def summary(self) -> Summary:
-        entries = self.entries()
+        """For the exporter, at every refresh: incremental, the folder listed only
+        when it changed (ondisk.py)."""
+        self._update(force=False)
         counts = {"good": 0, "incomplete": 0, "bad": 0}
-        for e in entries:
+        for e in self._entries.values():
             counts["bad" if e.bad else "good" if e.good else "incomplete"] += 1
-        good = [e for e in entries if e.good]
-        if not good:
+        good = self.last_good(fresh=False)
+        if good is None:
             return Summary(counts=counts)
         try:
-            mtime: float | None = os.stat(good[-1].path).st_mtime
+            mtime: float | None = os.stat(good.path).st_mtime
         except OSError:
             mtime = None
-        return Summary(good[-1], mtime, counts)
+        return Summary(good, mtime, counts)
 
     # --- what the supervisor tells us ---------------------------------------
 
@@ -220,20 +251,31 @@ class Catalog:
                health: dict[str, Any] | None = None) -> bool:
         """The job said this checkpoint is complete (``health``: the training's
         statistics at its step, recorded with it). False when the report is
-        refused: a path outside ``checkpoints.dir`` (or too long), or a step in
-        quarantine unless ``replaces_quarantined`` (written anew after a rollback)."""
+        refused: a path outside ``checkpoints.dir`` (or too long), one the layout
+        does not name with this step (a report cannot make a file a checkpoint
+        twice over), or a step in quarantine unless ``replaces_quarantined``
+        (written anew after a rollback)."""
         if len(path) > MAX_PATH or (self.spec.dir is not None
                                     and os.path.dirname(path) != self.spec.dir):
+            return False
+        if not self.layout.accepts(step, path):
             return False
         if self.bad.get(step, "").startswith(QUARANTINED):
             if not replaces_quarantined:
                 return False
             del self.bad[step]
             self._dirty = True
+            self._stale.add(step)
+            if self.verifier is not None:
+                self.verifier.forget(step)  # written anew: its old manifest is not its
         if health is not None:
             self.health[step] = health
             while len(self.health) > MAX_REPORTS:
                 del self.health[min(self.health)]
+            self._dirty = True
+        versions = (len(self.versions), max(self.versions, default=None))
+        self.layout.reported(step, path)  # a fixed path's new version, if it is one
+        if (len(self.versions), max(self.versions, default=None)) != versions:
             self._dirty = True
         if self.reported.get(step) != path:
             self.reported[step] = path
@@ -241,6 +283,8 @@ class Catalog:
                 del self.reported[min(self.reported)]
             self._dirty = True
             self.flush()  # at once: a new checkpoint (health alone waits for the next)
+        self.disk.add(step, path)  # known now, without listing the folder
+        self._stale.add(step)
         return True
 
     def flush(self, force: bool = False) -> None:
@@ -254,6 +298,7 @@ class Catalog:
         """Checkpoints newer than ``step`` are never resumed from again (a rollback
         past them); kept on disk, never deleted."""
         self.fence = (step, why)
+        self._all_stale = True
         self.entries()  # marks those on disk now
         self._save()
 
@@ -263,6 +308,7 @@ class Catalog:
         if self.fence is not None:
             self.entries()
             self.fence = None
+            self._all_stale = True
             self._save()
 
     def start_failed(self, step: int) -> bool:
@@ -273,6 +319,7 @@ class Catalog:
         newly_bad = n >= self.spec.bad_after and step not in self.bad
         if newly_bad:
             self.bad[step] = f"the job died before its first heartbeat {n} times in a row"
+            self._stale.add(step)
         self._save()
         return newly_bad
 

@@ -56,6 +56,16 @@ CREATE TABLE IF NOT EXISTS transitions (
 );
 CREATE INDEX IF NOT EXISTS incidents_job ON incidents (job, id);
 CREATE INDEX IF NOT EXISTS transitions_job ON transitions (job, id);
+CREATE TABLE IF NOT EXISTS deletions (
+    id INTEGER PRIMARY KEY,
+    time REAL NOT NULL,
+    job TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    size_bytes INTEGER,
+    outcome TEXT                    -- NULL: deleted; else why it was not
+);
 """
 
 LEDGER_NAME = "ledger.db"
@@ -230,6 +240,19 @@ class Ledger:
             d["injected"] = bool(d["injected"])
             out.append(d)
         return out
+
+    @_survive(None)
+    def deletion(self, job: str, attempt: int, step: int, path: str, size: int | None,
+                 outcome: str | None) -> None:
+        """A checkpoint deleted by retention (``outcome`` None), or not (why)."""
+        self.db.execute(
+            "INSERT INTO deletions (time, job, attempt, step, path, size_bytes, outcome)"
+            " VALUES (?,?,?,?,?,?,?)",
+            (time.time(), job, _int(attempt), _int(step), path, _int(size), outcome))
+
+    def deletions(self, job: str | None = None) -> list[dict[str, Any]]:
+        q = "SELECT * FROM deletions" + (" WHERE job=?" if job else "") + " ORDER BY id"
+        return [dict(r) for r in self.db.execute(q, (job,) if job else ()).fetchall()]
 
     def transitions(self, job: str | None = None) -> list[dict[str, Any]]:
         q = "SELECT * FROM transitions" + (" WHERE job=?" if job else "") + " ORDER BY id"

@@ -1,0 +1,97 @@
+"""Every recipe in the README's Checkpoints section, run as written (`trainwatch
+run` with flags only, no config file): the job is crashed once after step 7 and
+must resume from its newest good checkpoint (step 6), not from scratch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import Workspace, missing
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def recipes() -> dict[str, list[str]]:
+    """The `trainwatch run` lines of the README's recipes block, by the example they run."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("### Recipes", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    out = {}
+    for line in block.splitlines():
+        if line.startswith("trainwatch run"):
+            argv = shlex.split(line)
+            name = Path(next(a for a in argv if a.startswith("examples/"))).stem
+            out[name + ("_dcp" if "--dcp" in argv else "")] = argv
+    return out
+
+
+# The crash drill and a short run, per example (its own flags, appended to the job).
+DRILL = {
+    "torch_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
+    "torch_train_dcp": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
+    "snapshot_train": ["--epochs", "9", "--save-every", "3", "--crash-at", "7"],
+    "hf_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
+    "lightning_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
+}
+NEEDS = {"hf_train": ("transformers", "accelerate"), "lightning_train": ("lightning",)}
+
+
+def test_the_readme_has_a_recipe_per_framework() -> None:
+    """Plain PyTorch, torchrun's snapshot.pt, HF Trainer, Lightning and DCP."""
+    assert set(recipes()) == set(DRILL)
+
+
+@pytest.mark.parametrize("name", sorted(DRILL))
+def test_recipe_crashed_once_resumes_from_its_newest_good_checkpoint(ws: Workspace,
+                                                                    name: str) -> None:
+    """Run as written; after the crash at 7 the next attempt starts at 7 (checkpoint 6)."""
+    for module in ("torch", *NEEDS.get(name, ())):
+        if importlib.util.find_spec(module) is None:
+            missing(f"{module} is not installed (make test installs the dev extra)")
+    argv = recipes()[name]
+    out = ws.root / "out"
+    cmd: list[str] = [str(BIN / "trainwatch"), "run", "--state-dir", str(ws.state),
+                      "--run-dir", str(ws.root / "run"), "--metrics-port", "0",
+                      "--no-passthrough", "--backoff", "0s"]
+    for a in argv[2:]:
+        a = {"python": sys.executable, "torchrun": str(BIN / "torchrun")}.get(a, a)
+        if a.startswith("examples/"):
+            a = str(ROOT / a)
+        cmd.append(str(out) + a[3:] if a == "out" or a.startswith("out/") else a)
+    cmd += DRILL[name]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    events = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines()]
+    starts = [e for e in events if e["event"] == "start"]
+    first = [e.get("first_step", e.get("first_epoch")) for e in starts]
+    assert first == [1, 7], events
+    assert "none good" not in r.stderr
+    (incident,) = ws.incidents()
+    assert incident["kind"] == "crash" and incident["resumed_step"] == 6, incident
+    ends = [e for e in events if e["event"] == "end"]
+    assert len(ends) == 1 and ends[0]["attempt"] == 1, events
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--layout", "fixed"], "--layout fixed: expected --checkpoint-pattern"),
+    (["--layout", "fixed", "--checkpoint-pattern", "snap_{step}.pt"], "without {step}"),
+    (["--layout", "orbax"], "invalid choice"),
+    (["--checkpoint-pattern", "ckpt.pt"], "one {step}"),
+    (["--backoff", "10s", "--backoff-max", "1s"], "--backoff-max: expected at least"),
+    (["--kill-grace", "soon"], "--kill-grace"),
+])
+def test_bad_checkpoint_and_policy_flags_are_one_line(tmp_path: Path, flags: list[str],
+                                                      said: str) -> None:
+    """Each mistake in the new flags: exit 2, one line naming the flag, nothing started."""
+    r = subprocess.run([str(BIN / "trainwatch"), "run", "--state-dir", str(tmp_path / "s"),
+                        "--checkpoint-dir", str(tmp_path), *flags, "--", "true"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr
+    assert not (tmp_path / "s" / "ledger.db").exists()

@@ -1,0 +1,244 @@
+"""Which checkpoints are on disk and what their layout says of each, kept up to
+date incrementally, so that a report, a scan and a verdict cost the same with
+10 or 10,000 checkpoints in the folder (the catalog adds the job's reports,
+bad marks and quarantine on top, state/catalog.py).
+
+- The folder is listed again only when it changed (its mtime: an entry added,
+  removed or renamed), at most every ``RELIST_MIN`` seconds, and at least
+  every ``RELIST_MAX``; a checkpoint the job reports is added at once, without
+  a listing. ``refresh(force=True)`` lists now (a relaunch must not miss one).
+- A verdict of complete is final (a rewrite is verification's to catch,
+  state/manifest.py); only the entries not yet complete are judged again.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+RELIST_MIN = 10.0  # a changed folder is listed again at most this often
+RELIST_MAX = 60.0  # and an unchanged one at least this often (a change its mtime missed)
+PENDING_EVERY = 1.0  # entries being written (newer than every complete one) judged again
+PENDING_MAX = 64  # ... the newest this many of them; older ones at the next listing
+
+
+class Layout(Protocol):
+    """How one framework names its checkpoints and says one is complete."""
+
+    @property
+    def name(self) -> str:
+        """generic, fixed, or a framework's (a recognised one, for auto)."""
+
+    @property
+    def volatile(self) -> bool:
+        """Rewritten in place (fixed): listed and judged at every refresh."""
+
+    def candidates(self, root: Path) -> dict[int, str]:
+        """Every checkpoint under ``root``, by step (one listing, no judgement)."""
+
+    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
+        """Would the framework load it: (complete, what said so or what is missing)."""
+
+    def step_of(self, path: str) -> int | None:
+        """The step of a path as this layout names it (for the job's reports)."""
+
+    def accepts(self, step: int, path: str) -> bool:
+        """A report of ``path`` at ``step`` names a checkpoint of this layout."""
+
+    def reported(self, step: int, path: str) -> None:
+        """The job reported it (a fixed path's new version)."""
+
+
+def newest_mtime(path: Path) -> float:
+    try:
+        newest = path.stat().st_mtime
+    except OSError:
+        return time.time()
+    if path.is_dir():
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                try:
+                    newest = max(newest, os.stat(os.path.join(root, name)).st_mtime)
+                except OSError:
+                    continue  # removed while we looked: treat as changing
+    return newest
+
+
+def nonempty(path: Path) -> bool:
+    try:
+        if path.is_dir():
+            return any(path.iterdir())
+        return path.stat().st_size > 0
+    except OSError:
+        return False
+
+
+@dataclass
+class Generic:
+    """Names matching ``pattern`` (one ``{step}``); complete by a marker file or
+    ``quiet_for`` seconds unchanged (the job's report is the catalog's to add)."""
+
+    pattern: str = "step_{step}"
+    marker: str | None = None
+    quiet_for: float | None = None
+    clock: Callable[[], float] = time.time
+    name: str = "generic"
+
+    def __post_init__(self) -> None:
+        head, _, tail = self.pattern.partition("{step}")
+        self._regex = re.compile(rf"^{re.escape(head)}(\d+){re.escape(tail)}$")
+
+    def step_of(self, path: str) -> int | None:
+        m = self._regex.match(os.path.basename(os.path.normpath(path)))
+        return int(m.group(1)) if m else None
+
+    def candidates(self, root: Path) -> dict[int, str]:
+        found: dict[int, str] = {}
+        try:
+            names = os.listdir(root)
+        except OSError:
+            return found
+        match = self._regex.match
+        for name in names:
+            m = match(name)
+            if m:
+                found[int(m.group(1))] = os.path.join(root, name)
+        return found
+
+    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
+        p = Path(path)
+        if self.marker is not None:
+            where = p / self.marker if p.is_dir() else Path(f"{path}{self.marker}")
+            if where.exists():
+                return (True, f"marker {where.name}") if nonempty(p) else (False, "empty")
+        if self.quiet_for is not None and self.clock() - newest_mtime(p) >= self.quiet_for:
+            return (True, f"unchanged for {self.quiet_for:g}s") if nonempty(p) else (False,
+                                                                                    "empty")
+        return False, "incomplete"
+
+
+class OnDisk:
+    def __init__(self, layout: Layout, root: str | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.layout = layout
+        self.root = Path(root) if root else None
+        self.clock = clock
+        self.paths: dict[int, str] = {}  # step -> path, of what is on disk
+        self.steps: list[int] = []  # sorted
+        self.verdicts: dict[int, tuple[str, bool, str]] = {}  # step -> (path, complete, why)
+        self._key: tuple[int, int] | None = None
+        self._unjudged: set[int] = set()  # steps added or relisted without a verdict
+        self._dropped: set[int] = set()  # steps gone since the last refresh
+        self._newest_complete = -1
+        self._pending_at = -PENDING_EVERY
+        self._listed_at = -RELIST_MAX
+        self.listings = 0  # how many times the folder was listed (for tests and benchmarks)
+
+    def _folder_key(self) -> tuple[int, int] | None:
+        if self.root is None:
+            return None
+        try:
+            st = os.stat(self.root)
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_ino
+
+    def _relist(self, now: float, force: bool) -> bool:
+        """List the folder when it is due; True when the set of checkpoints changed."""
+        key = self._folder_key()
+        since = now - self._listed_at
+        due = force or since >= RELIST_MAX or (key != self._key and since >= RELIST_MIN)
+        if not due:
+            return False
+        self._key, self._listed_at = key, now
+        self.listings += 1
+        if self.root is not None:
+            found = self.layout.candidates(self.root)
+        else:  # no folder: what the job reported is all there is, while it exists
+            found = {s: p for s, p in self.paths.items() if os.path.exists(p)}
+        if found == self.paths:
+            return False
+        for step in set(self.paths) - set(found):
+            self.verdicts.pop(step, None)
+            self._dropped.add(step)
+        self._unjudged.update(s for s, p in found.items() if self.paths.get(s) != p)
+        self.paths = found
+        self.steps = sorted(found)
+        self._newest_complete = max((s for s in self.steps if self._final(s)), default=-1)
+        return True
+
+    def add(self, step: int, path: str) -> None:
+        """A checkpoint the job reported: known at once, without a listing."""
+        if self.paths.get(step) != path:
+            if step not in self.paths:
+                bisect.insort(self.steps, step)
+            self.paths[step] = path
+            self.verdicts.pop(step, None)
+            self._unjudged.add(step)
+
+    def drop(self, step: int) -> None:
+        """A checkpoint deleted (retention) or found gone."""
+        if self.paths.pop(step, None) is not None:
+            self.steps.remove(step)
+        self.verdicts.pop(step, None)
+        self._dropped.add(step)
+        if step == self._newest_complete:
+            self._newest_complete = max((s for s in self.steps if self._final(s)), default=-1)
+
+    def rejudge(self, step: int) -> None:
+        """Judge this one again at the next refresh (verification found it changed)."""
+        self.verdicts.pop(step, None)
+        if step in self.paths:
+            self._unjudged.add(step)
+
+    def refresh(self, force: bool = False) -> set[int]:
+        """Bring the verdicts up to date; the steps whose verdict changed. Judged:
+        every entry without a verdict; once a second, the newest ``PENDING_MAX``
+        not yet complete that are newer than every complete one (being written);
+        and, at a listing, every one not yet complete (one a framework refused
+        stays refused until the folder changes)."""
+        force = force or self.layout.volatile
+        now = self.clock()
+        relisted = self._relist(now, force) or force
+        todo = set(self._unjudged)
+        newest = self._newest_complete
+        if self.layout.volatile:
+            todo.update(self.steps)
+        elif relisted:
+            todo.update(s for s in self.steps if not self._final(s))
+        elif now - self._pending_at >= PENDING_EVERY:
+            self._pending_at = now
+            for step in itertools.islice(reversed(self.steps), PENDING_MAX):
+                if step <= newest:
+                    break
+                todo.add(step)
+        self._unjudged.clear()
+        root = self.root or Path("/")
+        changed: set[int] = set()
+        for step in todo:
+            path = self.paths.get(step)
+            if path is None:
+                continue
+            complete, why = self.layout.judge(root, step, path)
+            new = (path, complete, why)
+            if new != self.verdicts.get(step):
+                self.verdicts[step] = new
+                changed.add(step)
+            if complete and step > self._newest_complete:
+                self._newest_complete = step
+        return changed | self._dropped_since()
+
+    def _final(self, step: int) -> bool:
+        v = self.verdicts.get(step)
+        return v is not None and v[1] and v[0] == self.paths.get(step)
+
+    def _dropped_since(self) -> set[int]:
+        dropped, self._dropped = self._dropped, set()
+        return dropped
