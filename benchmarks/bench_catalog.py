@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -31,9 +32,13 @@ WORKER = ROOT / "tests" / "jobs" / "worker.py"
 
 
 def _fill(d: Path, n: int) -> None:
-    """n checkpoints as the test worker writes them (every 10 steps, the step inside)."""
+    """n checkpoints as the test worker writes them (every 10 steps, the step inside),
+    written an hour ago."""
+    old = time.time() - 3600
     for step in range(10, 10 * n + 1, 10):
-        (d / f"step_{step}").write_text(str(step))
+        p = d / f"step_{step}"
+        p.write_text(str(step))
+        os.utime(p, (old, old))
 
 
 def in_process(n: int, runs: int = 5) -> dict[str, float]:

@@ -167,3 +167,33 @@ def scan_dirs(root: Path, regex: re.Pattern[str],
             out.append(judge(int(m.group(1)), os.path.abspath(e.path)))
     out.sort(key=lambda f: f.step)
     return out
+
+
+class Tracked:
+    """A layout of folders named ``regex`` that a tracker file in the root
+    completes (Megatron's latest_checkpointed_iteration.txt, DeepSpeed's
+    ``latest``): ``tracker(root)`` reads the step it names, ``verdict(step, path,
+    tracked)`` judges one folder against it."""
+
+    name: str
+    regex: re.Pattern[str]
+
+    def tracker(self, root: str | Path) -> int | None:
+        raise NotImplementedError
+
+    def verdict(self, step: int, path: str, tracked: int | None) -> Found:
+        raise NotImplementedError
+
+    def step_of(self, path: str) -> int | None:
+        return basename_step(self.regex, path)
+
+    def judge(self, path: str) -> Found | None:
+        step = self.step_of(path)
+        if step is None:
+            return None
+        path = os.path.abspath(path)
+        return self.verdict(step, path, self.tracker(os.path.dirname(path)))
+
+    def scan(self, root: Path) -> list[Found]:
+        tracked = self.tracker(root)
+        return scan_dirs(root, self.regex, lambda step, path: self.verdict(step, path, tracked))

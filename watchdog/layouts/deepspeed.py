@@ -27,9 +27,8 @@ from pathlib import Path
 
 from trainwatch.layouts.base import (
     Found,
-    basename_step,
+    Tracked,
     entries,
-    scan_dirs,
     small_text,
     torch_archive,
 )
@@ -46,22 +45,15 @@ def latest(root: Path | str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-class DeepSpeed:
+class DeepSpeed(Tracked):
     name = "deepspeed"
+    regex = NAME
 
-    def step_of(self, path: str) -> int | None:
-        return basename_step(NAME, path)
+    def tracker(self, root: str | Path) -> int | None:
+        return latest(root)
 
-    def judge(self, path: str) -> Found | None:
-        step = self.step_of(path)
-        if step is None:
-            return None
-        path = os.path.abspath(path)
-        return _judge(step, path, latest(os.path.dirname(path)))
-
-    def scan(self, root: Path) -> list[Found]:
-        tag = latest(root)
-        return scan_dirs(root, NAME, lambda step, path: _judge(step, path, tag))
+    def verdict(self, step: int, path: str, tracked: int | None) -> Found:
+        return _judge(step, path, tracked)
 
 
 def _judge(step: int, path: str, tag: int | None) -> Found:

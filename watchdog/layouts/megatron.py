@@ -29,11 +29,10 @@ from pathlib import Path
 from trainwatch.layouts import dcp
 from trainwatch.layouts.base import (
     Found,
-    basename_step,
+    Tracked,
     entries,
     is_dir,
     json_file,
-    scan_dirs,
     small_text,
     torch_archive,
 )
@@ -52,22 +51,15 @@ def tracker(root: Path | str) -> int | None:
     return int(text) if text and text.isdigit() and text.isascii() else None
 
 
-class Megatron:
+class Megatron(Tracked):
     name = "megatron"
+    regex = NAME
 
-    def step_of(self, path: str) -> int | None:
-        return basename_step(NAME, path)
+    def tracker(self, root: str | Path) -> int | None:
+        return tracker(root)
 
-    def judge(self, path: str) -> Found | None:
-        step = self.step_of(path)
-        if step is None:
-            return None
-        path = os.path.abspath(path)
-        return _judge(step, path, tracker(os.path.dirname(path)))
-
-    def scan(self, root: Path) -> list[Found]:
-        latest = tracker(root)
-        return scan_dirs(root, NAME, lambda step, path: _judge(step, path, latest))
+    def verdict(self, step: int, path: str, tracked: int | None) -> Found:
+        return _judge(step, path, tracked)
 
 
 def _judge(step: int, path: str, latest: int | None) -> Found:

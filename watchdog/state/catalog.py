@@ -67,6 +67,10 @@ SAVE_EVERY = 1.0
 QUARANTINED = "quarantined: "
 
 
+def _kind(e: Entry) -> str:
+    return "bad" if e.bad else "good" if e.good else "incomplete"
+
+
 class Catalog:
     def __init__(
         self,
@@ -122,6 +126,7 @@ class Catalog:
         self.disk = OnDisk(self.layout, self.spec.dir)
         self._entries: dict[int, Entry] = {}  # by step, as last judged
         self._stale: set[int] = set()  # steps whose entry must be rebuilt
+        self._counts = {"good": 0, "incomplete": 0, "bad": 0}  # of _entries, kept as it changes
         self._all_stale = True
         self.pruned_at: int | None = -1  # the last good step at the last retention pass
         # Manifests of good checkpoints, made in the background (state/verifier.py),
@@ -161,9 +166,12 @@ class Catalog:
         for step in changed:
             v = self.disk.verdicts.get(step)
             old = self._entries.pop(step, None)
+            if old is not None:
+                self._counts[_kind(old)] -= 1
             if v is None:
                 continue
             e = self._entries[step] = self._entry(step, *v)
+            self._counts[_kind(e)] += 1
             if e.good and not first and (old is None or not old.good) and self.verifier:
                 self.verifier.submit(step, e.path)  # newly complete: its manifest now
         if first and self.verifier is not None:
@@ -193,7 +201,9 @@ class Catalog:
     def forget(self, step: int) -> None:
         """Retention deleted it."""
         self.disk.drop(step)
-        self._entries.pop(step, None)
+        old = self._entries.pop(step, None)
+        if old is not None:
+            self._counts[_kind(old)] -= 1
         if self.verifier is not None:
             self.verifier.forget(step)
 
@@ -233,10 +243,8 @@ class Catalog:
         """For the exporter, at every refresh: incremental, the folder listed only
         when it changed (ondisk.py)."""
         self._update(force=False)
-        counts = {"good": 0, "incomplete": 0, "bad": 0}
-        for e in self._entries.values():
-            counts["bad" if e.bad else "good" if e.good else "incomplete"] += 1
-        good = self.last_good(fresh=False)
+        counts = dict(self._counts)
+        good = self._newest_good()
         if good is None:
             return Summary(counts=counts)
         try:

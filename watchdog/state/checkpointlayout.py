@@ -24,7 +24,7 @@ from pathlib import Path
 
 from trainwatch import layouts
 from trainwatch.config import Checkpoints
-from trainwatch.state.ondisk import Generic, Layout, newest_mtime, nonempty
+from trainwatch.state.ondisk import Generic, Layout, listed, newest_mtime, nonempty
 
 _MAX_VERSIONS = 256
 
@@ -39,17 +39,7 @@ class Framework:
         self.name = impl.name
 
     def candidates(self, root: Path) -> dict[int, str]:
-        found: dict[int, str] = {}
-        try:
-            names = os.listdir(root)
-        except OSError:
-            return found
-        for name in names:
-            path = os.path.join(root, name)
-            step = self.impl.step_of(path)
-            if step is not None:
-                found[step] = path
-        return found
+        return listed(root, self.impl.step_of)
 
     def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
         f = self.impl.judge(path)
@@ -199,7 +189,7 @@ class Auto:
         return self._current(root).candidates(root)
 
     def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
-        return self._current(root).judge(root, step, path)
+        return self._current().judge(root, step, path)  # recognised at the listing
 
     def step_of(self, path: str) -> int | None:
         return self._current().step_of(path)

@@ -6,7 +6,8 @@ bad marks and quarantine on top, state/catalog.py).
 - The folder is listed again only when it changed (its mtime: an entry added,
   removed or renamed), at most every ``RELIST_MIN`` seconds, and at least
   every ``RELIST_MAX``; a checkpoint the job reports is added at once, without
-  a listing. ``refresh(force=True)`` lists now (a relaunch must not miss one).
+  a listing, and while reports come the folder waits for ``RELIST_MAX``.
+  ``refresh(force=True)`` lists now (a relaunch must not miss one).
 - A verdict of complete is final (a rewrite is verification's to catch,
   state/manifest.py); only the entries not yet complete are judged again.
 """
@@ -56,6 +57,21 @@ class Layout(Protocol):
         """The job reported it (a fixed path's new version)."""
 
 
+def listed(root: Path, step_of: Callable[[str], int | None]) -> dict[int, str]:
+    """Every entry of ``root`` that ``step_of`` names, by step (one listing)."""
+    found: dict[int, str] = {}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return found
+    for name in names:
+        path = os.path.join(root, name)
+        step = step_of(path)
+        if step is not None:
+            found[step] = path
+    return found
+
+
 def newest_mtime(path: Path) -> float:
     try:
         newest = path.stat().st_mtime
@@ -100,17 +116,7 @@ class Generic:
         return int(m.group(1)) if m else None
 
     def candidates(self, root: Path) -> dict[int, str]:
-        found: dict[int, str] = {}
-        try:
-            names = os.listdir(root)
-        except OSError:
-            return found
-        match = self._regex.match
-        for name in names:
-            m = match(name)
-            if m:
-                found[int(m.group(1))] = os.path.join(root, name)
-        return found
+        return listed(root, self.step_of)
 
     def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
         p = Path(path)
@@ -138,6 +144,7 @@ class OnDisk:
         self._dropped: set[int] = set()  # steps gone since the last refresh
         self._newest_complete = -1
         self._pending_at = -PENDING_EVERY
+        self._reports = False  # a checkpoint was reported since the last listing
         self._listed_at = -RELIST_MAX
         self.listings = 0  # how many times the folder was listed (for tests and benchmarks)
 
@@ -154,10 +161,13 @@ class OnDisk:
         """List the folder when it is due; True when the set of checkpoints changed."""
         key = self._folder_key()
         since = now - self._listed_at
-        due = force or since >= RELIST_MAX or (key != self._key and since >= RELIST_MIN)
+        # A job that reports its checkpoints says what is new: its folder's changes
+        # wait for RELIST_MAX; without reports, a change is listed after RELIST_MIN.
+        changed = key != self._key and since >= RELIST_MIN and not self._reports
+        due = force or since >= RELIST_MAX or changed
         if not due:
             return False
-        self._key, self._listed_at = key, now
+        self._key, self._listed_at, self._reports = key, now, False
         self.listings += 1
         if self.root is not None:
             found = self.layout.candidates(self.root)
@@ -176,6 +186,7 @@ class OnDisk:
 
     def add(self, step: int, path: str) -> None:
         """A checkpoint the job reported: known at once, without a listing."""
+        self._reports = True
         if self.paths.get(step) != path:
             if step not in self.paths:
                 bisect.insort(self.steps, step)
