@@ -52,13 +52,23 @@ def _view(r: JobRunner, now: float, sample: bool) -> StallView:
     return StallView(now, snap.ranks, snap.intervals_p99, procs, tuple(w.gpu_faults), by_rank)
 
 
+def _newest_advance(r: JobRunner) -> float | None:
+    """The last time any rank (of two or more that beat twice) advanced; None:
+    not armed. Straight from the ranks: this runs at every turn of the loop."""
+    judges = [x.advanced_at for x in r.ranks.ranks.values() if x.beats >= 2]
+    return max(judges) if len(judges) >= 2 else None
+
+
 def deadline(r: JobRunner, now: float) -> float | None:
     """When a stall could next be decided (for the loop's sleep)."""
     w = r.stall
     if not r.ranks.beaten:
         return now + 1.0 if w.settings.silence is not None else None
-    d = stall.next_deadline(_view(r, now, sample=False), w.settings)
-    if d is not None and w.sampled:
+    newest = _newest_advance(r)
+    if newest is None:
+        return None
+    d = newest + stall.stall_timeout(r.ranks.learned_p99(_MIN_SAMPLES), w.settings)
+    if w.sampled:
         d = min(d, now + 1.0)  # keep sampling while the ranks are quiet
     return d
 
@@ -71,11 +81,10 @@ def check(r: JobRunner, now: float) -> None:
     if not r.ranks.beaten:
         _check_silent(r, now)
         return
-    v = _view(r, now, sample=False)
-    d = stall.next_deadline(v, w.settings)
-    if d is None:
+    newest = _newest_advance(r)
+    if newest is None:
         return
-    newest = max(x.advanced_at for x in v.ranks)
+    d = newest + stall.stall_timeout(r.ranks.learned_p99(_MIN_SAMPLES), w.settings)
     w.sampled = now - newest >= _SAMPLE_AFTER
     if not w.sampled:
         return

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import mmap
 import os
 import stat
 import time
@@ -165,7 +166,19 @@ def _open_regular(name: str, dfd: int) -> int:
     return fd
 
 
-def _hash_fd(fd: int, algo: str, buf: bytearray,
+def _buffer(size: int) -> mmap.mmap:
+    """The read buffer: anonymous memory of its own, returned to the system when
+    closed (a bytearray this large, freed, raises malloc's threshold and stays
+    resident in every verifier thread's arena)."""
+    return mmap.mmap(-1, max(size, 1))
+
+
+def _release(buf: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a view still held by a traceback: freed with it
+        buf.close()
+
+
+def _hash_fd(fd: int, algo: str, buf: mmap.mmap,
              should_stop: Callable[[], bool] | None) -> tuple[int, str]:
     """(bytes read, hex digest) of the file ``fd`` from its start."""
     h = ALGOS[algo]()
@@ -203,7 +216,15 @@ def make(step: int, path: str, *, chunk: int = CHUNK,
     ALGOS, the fastest by default). Raises OSError when it cannot be read or is
     changing (ChangedWhileHashed), Stopped when ``should_stop()`` turned true."""
     algo = algo or DEFAULT_ALGO
-    buf = bytearray(chunk)
+    buf = _buffer(chunk)
+    try:
+        return _make(step, path, algo, buf, should_stop)
+    finally:
+        _release(buf)
+
+
+def _make(step: int, path: str, algo: str, buf: mmap.mmap,
+          should_stop: Callable[[], bool] | None) -> Manifest:
     made = time.time()
     files = []
     for rel, opener in _files(path):
@@ -238,9 +259,17 @@ def check(m: Manifest, *, strict: bool = False, chunk: int = CHUNK,
 
 def _check(m: Manifest, strict: bool, hash_it: bool, chunk: int = CHUNK,
            should_stop: Callable[[], bool] | None = None) -> str | None:
+    buf = _buffer(chunk if hash_it else 0)
+    try:
+        return _check_with(m, strict, hash_it, buf, should_stop)
+    finally:
+        _release(buf)
+
+
+def _check_with(m: Manifest, strict: bool, hash_it: bool, buf: mmap.mmap,
+                should_stop: Callable[[], bool] | None) -> str | None:
     want = {rel: (size, digest) for rel, size, digest in m.files}
     seen = set()
-    buf = bytearray(chunk if hash_it else 0)
     try:
         for rel, opener in _files(m.path):
             if rel not in want:
@@ -303,7 +332,10 @@ class Store:
 
     def put(self, m: Manifest) -> None:
         """Raises OSError (disk full, read-only state_dir)."""
-        atomic.write_json(self._file(m.step), m.to_json())
+        # Not fsynced: a manifest lost to a power cut is made again at the next
+        # verification (then trusted as a first judgement); two fsyncs per
+        # checkpoint are not worth that.
+        atomic.write_json(self._file(m.step), m.to_json(), durable=False)
 
     def drop(self, step: int) -> None:
         with contextlib.suppress(FileNotFoundError):
