@@ -199,7 +199,8 @@ def _mounted_run(ws: Workspace, mount: str, job_cmd: str) -> tuple[int, str]:
     argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(logs),
             sys.executable, "-m", "trainwatch.cli", "run", "--name", "job", "--state-dir",
             str(ws.state), "--run-dir", str(ws.root / "run"), "--metrics-port", "0",
-            "--no-passthrough", "--max-restarts", "2", "--", "sh", "-c", job_cmd]
+            "--no-passthrough", "--max-restarts", "2", "--backoff", "0.05s", "--", "sh", "-c",
+            job_cmd]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     return p.returncode, p.stdout + p.stderr
 
