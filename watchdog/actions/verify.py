@@ -48,7 +48,9 @@ def prefetch(r: JobRunner) -> None:
     cat = r.catalog
     if cat.verifier is None:
         return
-    cp = cat.last_good()
+    # As last judged, without listing the folder: the relaunch lists it anyway,
+    # and starts another check should a newer one have come meanwhile.
+    cp = cat.last_good(fresh=False)
     if cp is not None:
         _check(r, cp)
 
