@@ -1,0 +1,109 @@
+"""The background upload of published snapshots to a remote (see
+trainwatch.snapshot.remote): one thread, newest wins, never raises into the
+training loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from trainwatch.snapshot.remote import Remote, RemoteError
+
+__all__ = ["Uploader"]
+
+log = logging.getLogger("trainwatch.snapshot")
+
+
+class Uploader:
+    """Uploads published snapshots in one background thread, newest wins: a
+    folder submitted while another waits replaces it (counted in
+    ``superseded``). Failures are logged once per kind, counted, and retried
+    with backoff until a newer folder arrives; nothing is raised to the caller."""
+
+    def __init__(self, url: str, backoff: float = 1.0, max_backoff: float = 60.0) -> None:
+        self.url = url
+        self.uploaded = 0
+        self.superseded = 0
+        self.failures = 0
+        self.failures_by_kind: dict[str, int] = {}
+        self.last_error: str | None = None
+        self.last: dict[str, int] | None = None  # upload()'s figures for the last success
+        self.bytes_uploaded = 0
+        self._backoff = (backoff, max_backoff)
+        self._remote: Remote | None = None
+        self._cond = threading.Condition()
+        self._pending: str | None = None
+        self.in_flight: str | None = None  # the folder being uploaded now
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="trainwatch-upload", daemon=True)
+        self._thread.start()
+
+    def submit(self, folder: str) -> None:
+        """Upload ``folder`` (a published snapshot) after the one in flight."""
+        with self._cond:
+            if self._closing:
+                return
+            if self._pending is not None:
+                self.superseded += 1
+            self._pending = folder
+            self._cond.notify_all()
+
+    def idle(self) -> bool:
+        with self._cond:
+            return self._pending is None and self.in_flight is None
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish the upload in flight and the one waiting (one try each), then
+        stop. True when done within ``timeout``."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        wait = self._backoff[0]
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                folder = self._pending
+                if folder is None:
+                    return
+                self._pending = None
+                self.in_flight = folder
+            ok, retry = self._one(folder)
+            with self._cond:
+                self.in_flight = None
+                if ok:
+                    wait = self._backoff[0]
+                elif retry and self._pending is None and not self._closing:
+                    self._cond.wait(wait)  # a submit or close ends the wait early
+                    wait = min(wait * 2, self._backoff[1])
+                    if self._pending is None and not self._closing:
+                        self._pending = folder
+
+    def _one(self, folder: str) -> tuple[bool, bool]:
+        """Upload one folder: (succeeded, worth retrying)."""
+        try:
+            if self._remote is None:
+                self._remote = Remote(self.url)
+            out = self._remote.upload(folder)
+        except Exception as e:
+            if self._remote is not None:
+                self._remote.forget()
+            vanished = isinstance(e, (FileNotFoundError, RemoteError)) and not os.path.isdir(folder)
+            self._failed("vanished" if vanished else type(e).__name__, folder, e)
+            return False, not vanished and not isinstance(e, RemoteError)
+        self.uploaded += 1
+        self.last = out
+        self.bytes_uploaded += out["bytes_uploaded"]
+        return True, False
+
+    def _failed(self, kind: str, folder: str, e: BaseException) -> None:
+        self.failures += 1
+        n = self.failures_by_kind[kind] = self.failures_by_kind.get(kind, 0) + 1
+        self.last_error = f"{folder}: {e}"
+        (log.warning if n == 1 else log.debug)(
+            "snapshot upload to %s failed (%s): %s: %s", self.url, kind, folder, e)
