@@ -88,6 +88,7 @@ install-venv:
 	       "libsystemd-dev, pkg-config): no sd_notify, so Type=notify cannot start" >&2; \
 	  $$pip . ; }; \
 	$$pip 'py-spy>=0.4' || echo "warning: py-spy did not install: incidents keep no stacks" >&2; \
+	$$pip '.[snapshot]' || echo "warning: zstandard/s3fs did not install: no pull of snapshots from a remote store" >&2; \
 	if [ -n "$$root" ]; then \
 	  grep -rlIF "$$venv" "$$venv/bin" "$$venv/pyvenv.cfg" | xargs -r sed -i "s|$$venv|$(TW_LIB)|g"; \
 	  "$$venv/bin/python" -m compileall -q -f -s "$$root" -p / "$$venv/lib"; \

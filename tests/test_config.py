@@ -272,7 +272,7 @@ BAD: list[object] = [
     pytest.param(
         _job(checkpoints="{layout: orbax}"),
         "<file>: jobs.train.checkpoints.layout: expected one of auto, generic, fixed, hf,"
-        " lightning, dcp, megatron, deepspeed, got 'orbax'",
+        " lightning, dcp, megatron, deepspeed, trainwatch, got 'orbax'",
         id="checkpoint-layout-unknown",
     ),
     pytest.param(

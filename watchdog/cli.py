@@ -20,6 +20,7 @@ from trainwatch.config import (
     load,
     socket_problem,
 )
+from trainwatch.config.sections import REMOTE_LAYOUTS
 
 DEFAULT_CONFIG = "/etc/trainwatch/trainwatch.yaml"
 LAYOUTS = fields.LAYOUTS
@@ -153,6 +154,22 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
     elif cp.layout == "fixed" and args.layout is not None and not args.config:
         raise ConfigError("--layout fixed: expected --checkpoint-pattern naming the one file "
                           "(e.g. snapshot.pt), got none")
+    if args.remote is not None:
+        try:
+            cp = replace(cp, remote=fields.remote(args.remote))
+        except fields.Refused as e:
+            raise ConfigError(f"--remote: expected {e.expected}, got {fields.show(e.got)}") \
+                from None
+        except ValueError:
+            raise ConfigError(f"--remote: expected {fields.REMOTE}, got "
+                              f"{fields.show(args.remote)}") from None
+    if cp.remote is not None:
+        if cp.layout not in REMOTE_LAYOUTS:
+            raise ConfigError(f"--remote: expected --layout trainwatch or auto (the remote holds "
+                              f"trainwatch snapshots), got {cp.layout}")
+        if cp.dir is None:
+            raise ConfigError("--remote: expected --checkpoint-dir too (where a remote "
+                              "snapshot is pulled to), got none")
     if args.resume_arg:
         if not any("{checkpoint}" in a for a in args.resume_arg):
             raise ConfigError("--resume-arg: expected an argument containing {checkpoint}")
@@ -273,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a file whose presence inside (or beside) a checkpoint means complete")
     r.add_argument("--checkpoint-quiet-for", type=_duration, metavar="DURATION",
                    help="a checkpoint unchanged this long is complete (default off)")
+    r.add_argument("--remote", metavar="URL",
+                   help="a remote snapshot store, e.g. s3://bucket/prefix: with no good local"
+                        " checkpoint, the newest snapshot is pulled from it before a launch"
+                        " (credentials from the AWS environment or files only)")
     r.add_argument("--resume-arg", action="append", metavar="ARG",
                    help="appended when resuming; repeat; e.g. --resume-arg=--resume "
                         "--resume-arg={checkpoint}")

@@ -10,7 +10,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from trainwatch import anomalies, logwatch, respond
-from trainwatch.actions import evidence, verify
+from trainwatch.actions import evidence, pull, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
@@ -43,6 +43,17 @@ def launch(r: JobRunner, reason: str) -> None:
     if not ready:  # its check is still running (in a thread): the relaunch waits for it
         r.relaunch_at = r.clock() + _VERIFY_POLL
         return
+    if cp is None:  # none here: the newest on the job's remote store, if it has one
+        pull.newest(r, reason)
+    if pull.pending(r):  # pulling (in a thread): the launch waits in BACKOFF
+        after = pull.wait(r, reason)
+        if after is None:
+            return
+        reason = after
+        ready, cp = verify.checkpoint_to_use(r, wait=r.state is not JobState.BACKOFF)
+        if not ready:
+            r.relaunch_at = r.clock() + _VERIFY_POLL
+            return
     if cp is None:
         none_good(r)
     gpus = r.gpus()

@@ -2,15 +2,24 @@
 catalog refresh that found a new last good checkpoint, or while free space is
 below ``min_free_bytes``, the plan is made from the catalog's verdicts and its
 deletions done one by one, each a ledger row and a count. Never while the job
-is observed only or paused by the operator, never without a rule."""
+is observed only or paused by the operator, never without a rule.
+
+trainwatch snapshots (layout trainwatch): with no rule in the job's config,
+the newest good snapshot's ``keep`` (the Snapshotter's, which never deletes
+under trainwatch: only the daemon knows the last good one) is the rule, as
+``keep.last``; after deleting snapshot folders the content store's chunks that
+no folder links any more are collected (trainwatch.snapshot.blobs)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from trainwatch.snapshot import blobs
+from trainwatch.snapshot import format as snapshot_format
 from trainwatch.state import retention
-from trainwatch.state.retention import Plan
+from trainwatch.state.retention import Keep, Plan
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
@@ -19,9 +28,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 
+# job -> (the newest good snapshot's path, its keep): read once per snapshot, not
+# at every refresh (a manifest of many tensors is megabytes of JSON).
+_snapshot_keep: dict[str, tuple[str, int | None]] = {}
+
+
+def keep_rule(r: JobRunner) -> Keep:
+    """The job's ``checkpoints.keep``; without a rule, for trainwatch snapshots,
+    the newest good snapshot's ``keep`` as ``last`` (pinned steps still hold)."""
+    keep = r.job.checkpoints.keep
+    if keep.deletes or r.catalog.layout.name != "trainwatch":
+        return keep
+    good = r.catalog.last_good(fresh=False)
+    if good is None:
+        return keep
+    seen = _snapshot_keep.get(r.job.name)
+    if seen is None or seen[0] != good.path:
+        try:
+            last = snapshot_format.read(good.path).keep
+        except ValueError:
+            return keep  # good a moment ago, unreadable now: the next refresh judges it
+        if last is not None and (seen is None or seen[1] != last):
+            log.info("job %s: no checkpoints.keep rule: keeping the newest %d good snapshots "
+                     "(the job's Snapshotter keep)", r.job.name, last)
+        seen = _snapshot_keep[r.job.name] = (good.path, last)
+    return keep if seen[1] is None else replace(keep, last=seen[1])
+
+
 def plan(r: JobRunner, listed: bool = True) -> Plan:
     """What retention would delete now, and why each other checkpoint stays."""
-    keep, root = r.job.checkpoints.keep, r.catalog.spec.dir
+    keep, root = keep_rule(r), r.catalog.spec.dir
     entries = r.catalog.entries() if listed else r.catalog.known()
     free = retention.free_bytes(root) if root else None
     sized = keep.min_free_bytes is not None and free is not None and free < keep.min_free_bytes
@@ -34,7 +70,7 @@ def plan(r: JobRunner, listed: bool = True) -> Plan:
 
 def after_refresh(r: JobRunner) -> None:
     """Delete what the plan says, when something changed that could free one."""
-    keep, root = r.job.checkpoints.keep, r.catalog.spec.dir
+    keep, root = keep_rule(r), r.catalog.spec.dir
     if not keep.deletes or root is None or r.observing:
         return
     good = r.checkpoints.last_good
@@ -45,14 +81,31 @@ def after_refresh(r: JobRunner) -> None:
         return
     r.catalog.pruned_at = step
     p = plan(r, listed=False)
+    snapshots = 0
     for c in p.delete:
         why = retention.delete(c, root=root)
         r.ledger.deletion(r.job.name, max(r.number, 0), c.step, c.path, c.size or None, why)
         r.events.deletions.labels(r.job.name, "deleted" if why is None else "failed").inc()
         if why is None:
             r.catalog.forget(c.step)
+            snapshots += snapshot_format.step_of(c.path) == c.step
             log.info("job %s: retention deleted checkpoint step %d (%s)", r.job.name, c.step,
                      c.path)
         else:
             log.warning("job %s: retention could not delete checkpoint step %d: %s",
                         r.job.name, c.step, why)
+    if snapshots and r.catalog.layout.name == "trainwatch":
+        _collect(r, root)
+
+
+def _collect(r: JobRunner, root: str) -> None:
+    """The store's chunks that no snapshot (or live save) links any more."""
+    try:
+        got = blobs.collect(root)
+    except OSError as e:  # survived: the next deletion collects again
+        log.warning("job %s: collecting unreferenced snapshot chunks in %s failed: %s",
+                    r.job.name, root, e.strerror or e)
+        return
+    if got["blobs"] or got["folders"]:
+        log.info("job %s: collected %d unreferenced snapshot chunks (%d bytes) and %d "
+                 "leftover folders", r.job.name, got["blobs"], got["bytes"], got["folders"])

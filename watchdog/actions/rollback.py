@@ -5,10 +5,13 @@ onset of a loss anomaly, with the anomalous steps' data skipped."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from trainwatch.actions import launch as launching
+from trainwatch.actions import pull
 from trainwatch.policy import RestartHistory
+from trainwatch.snapshot.format import folder_name
 from trainwatch.types import Fault, JobState
 
 if TYPE_CHECKING:
@@ -16,13 +19,23 @@ if TYPE_CHECKING:
 
 
 def to_step(r: JobRunner, step: int, reason: str) -> str:
-    """Roll ``r`` back to its good checkpoint of ``step``; its path. A ValueError
-    when there is none (the one line the operator sees)."""
+    """Roll ``r`` back to its good checkpoint of ``step``; its path. None on local
+    disk but a remote store set (``checkpoints.remote``): pulled from there first,
+    the relaunch waiting for it. A ValueError when there is none (the one line
+    the operator sees)."""
     entries = r.catalog.entries()
     entry = next((e for e in entries if e.step == step), None)
-    if entry is None or not entry.good:
+    remote, root = r.job.checkpoints.remote, r.catalog.spec.dir
+    if entry is None and remote is not None and root is not None:
+        if pull.pending(r):
+            raise ValueError(f"a pull from {remote} is under way: try again once it is done")
+        pull.begin(r, step, reason)
+        path = f"{os.path.join(root, folder_name(step))}, being pulled from {remote}"
+    elif entry is None or not entry.good:
         have = [e.step for e in entries if e.good]
         raise ValueError(f"no good checkpoint at step {step} (good: {have or 'none'})")
+    else:
+        path = entry.path
     r.catalog.quarantine_after(step, reason)
     if r.state in (JobState.STARTING, JobState.RUNNING):
         r.begin_stop(JobState.BACKOFF, reason)
@@ -33,7 +46,7 @@ def to_step(r: JobRunner, step: int, reason: str) -> str:
     else:
         r.history = RestartHistory()
         launching.launch(r, reason)
-    return entry.path
+    return path
 
 
 def after_anomaly(r: JobRunner, fault: Fault) -> str | None:

@@ -250,11 +250,37 @@ def backend(v: object) -> str:
 
 # How a job writes its checkpoints (trainwatch.layouts; generic: names matching
 # checkpoints.pattern; fixed: one path overwritten in place; auto: recognised).
-LAYOUTS = ("auto", "generic", "fixed", "hf", "lightning", "dcp", "megatron", "deepspeed")
+LAYOUTS = ("auto", "generic", "fixed", "hf", "lightning", "dcp", "megatron", "deepspeed",
+           "trainwatch")
 
 
 def layout(v: object) -> str:
     if not isinstance(v, str) or v not in LAYOUTS:
+        raise ValueError(v)
+    return v
+
+
+# A remote snapshot store (trainwatch.snapshot.remote, fsspec): a URL with a scheme.
+# Credentials come only from the standard environment and files (AWS_ACCESS_KEY_ID,
+# ~/.aws/credentials): a config is read by many and copied everywhere.
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://([^/?#]*)(.*)$")
+_SECRET_QUERY = re.compile(r"(key|secret|token|passw|signature|credential)", re.IGNORECASE)
+REMOTE = "a URL such as s3://bucket/prefix (credentials only from the AWS environment or files)"
+
+
+def remote(v: object) -> str:
+    """A remote store's URL, refused when it carries credentials (never echoed)."""
+    if not isinstance(v, str):
+        raise ValueError(v)
+    m = _URL.match(v)
+    where = m.group(2) if m else v  # the part userinfo (KEY:SECRET@) would be in
+    query = m.group(3).partition("?")[2] if m else ""
+    if "@" in where or _SECRET_QUERY.search(query):
+        raise Refused("a URL without credentials in it (they come from the standard AWS "
+                      "environment or files: AWS_ACCESS_KEY_ID, ~/.aws/credentials)",
+                      Said("a URL with credentials in it (not shown)"))
+    if m is None or (not m.group(2) and m.group(1) != "file") or "\0" in v \
+            or any(c.isspace() for c in v):
         raise ValueError(v)
     return v
 
@@ -292,4 +318,5 @@ CHECKS: dict[str, Any] = {
     "a file name pattern with one {step} and no '/'": pattern,
     "auto, nvml, sim or off": backend,
     LAYOUT: layout,
+    REMOTE: remote,
 }

@@ -113,6 +113,9 @@ class Checkpoints:
     keep: Keep = field(default_factory=Keep)  # retention; unset: nothing is ever deleted
     verify: bool = True  # a manifest per checkpoint, checked before a relaunch resumes from it
     verify_timeout: float = 60.0  # a relaunch waits at most this long for the check
+    # A remote snapshot store (layout trainwatch): with no good local checkpoint, a
+    # launch pulls the newest snapshot from it first (actions/pull.py).
+    remote: str | None = None
 
 
 @dataclass(frozen=True)

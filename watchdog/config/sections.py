@@ -114,6 +114,8 @@ def evidence(r: Reader, raw: object, path: str) -> Evidence:
     )
 
 
+# The layouts a remote store (trainwatch snapshots) can be pulled into.
+REMOTE_LAYOUTS = ("trainwatch", "auto")
 _PATTERN = "a file name pattern with one {step} and no '/'"
 _FIXED = "the one file's name, without '/' (layout fixed)"
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -133,9 +135,10 @@ def _bytes(v: object) -> int:
 
 
 def checkpoints(r: Reader, raw: object, path: str) -> Checkpoints:
-    """``checkpoints: {dir, layout, pattern, marker, quiet_for, bad_after, keep}``."""
+    """``checkpoints: {dir, layout, pattern, marker, quiet_for, bad_after, keep, verify,
+    verify_timeout, remote}``."""
     c = r.mapping(raw, path, {"dir", "layout", "pattern", "marker", "quiet_for", "bad_after",
-                              "keep", "verify", "verify_timeout"})
+                              "keep", "verify", "verify_timeout", "remote"})
     d = Checkpoints()
     layout = r.get(c, "layout", path, fields.LAYOUT, d.layout)
     pattern = r.get(c, "pattern", path, STR, d.pattern)
@@ -144,6 +147,14 @@ def checkpoints(r: Reader, raw: object, path: str) -> Checkpoints:
             raise r.fail(f"{path}.pattern", _FIXED, c.get("pattern", MISSING))
     elif pattern.count("{step}") != 1 or "/" in pattern:
         raise r.fail(f"{path}.pattern", _PATTERN, pattern)
+    remote = r.get(c, "remote", path, fields.REMOTE, None)
+    if remote is not None:
+        if layout not in REMOTE_LAYOUTS:
+            raise r.fail(f"{path}.layout", "trainwatch or auto (checkpoints.remote holds "
+                         "trainwatch snapshots)", layout)
+        if "dir" not in c:
+            raise r.fail(f"{path}.dir", "the local folder a remote snapshot is pulled into "
+                         "(checkpoints.remote is set)", MISSING)
     return Checkpoints(
         dir=r.get(c, "dir", path, STR, None),
         layout=layout,
@@ -154,6 +165,7 @@ def checkpoints(r: Reader, raw: object, path: str) -> Checkpoints:
         keep=_keep(r, c.get("keep"), f"{path}.keep"),
         verify=r.get(c, "verify", path, "true or false", d.verify),
         verify_timeout=r.get(c, "verify_timeout", path, DUR, d.verify_timeout),
+        remote=remote,
     )
 
 

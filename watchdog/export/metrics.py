@@ -81,8 +81,9 @@ class Events:
                                  "Checkpoints retention deleted (outcome deleted) or tried "
                                  "to (failed).", ["job", "outcome"], registry=r)
         self.fresh_starts = Counter("trainwatch_job_fresh_starts_with_checkpoints",
-                                    "Launches from scratch although checkpoints were on disk: "
-                                    "none was judged good.", ["job"], registry=r)
+                                    "Launches from scratch although checkpoints were on disk "
+                                    "(none was judged good) or pulling the newest snapshot "
+                                    "from the remote store failed.", ["job"], registry=r)
         self.seconds_lost = Counter("trainwatch_job_seconds_lost",
                                     "Seconds lost to faults: onset to the relaunch's first "
                                     "heartbeat, plus redoing the lost steps.", ["job"],

@@ -1,7 +1,8 @@
 """Checkpoint layouts as the frameworks write them: where each checkpoint is,
 its step, and whether the framework itself would load it (``Found``).
 
-One module per framework (hf, lightning, dcp, megatron, deepspeed), each citing
+One module per framework (hf, lightning, dcp, megatron, deepspeed, and
+trainwatch's own snapshots, trainwatch.snapshot), each citing
 the framework code it follows. Layouts read the file system only (scandir,
 stat, small reads): nothing is unpickled and torch is never imported.
 A scan is stateless: it judges every checkpoint under ``root`` each time
@@ -9,6 +10,8 @@ A scan is stateless: it judges every checkpoint under ``root`` each time
 
 ``detect`` (the ``auto`` layout) looks at ``root`` itself and, for DCP, one
 level down, in this precedence, most specific first:
+  0. trainwatch a ``snapshot-<N>`` folder holding ``snapshot.json``, or one
+                with the store ``blobs/`` beside it;
   1. hf         a ``checkpoint-<N>`` folder (a DeepSpeed run under the Trainer
                 puts ``global_step<N>/`` and ``latest`` inside it, so hf wins);
   2. megatron   ``latest_checkpointed_iteration.txt`` or an ``iter_<7 digits>``
@@ -26,13 +29,13 @@ import re
 from pathlib import Path
 from typing import Protocol
 
-from trainwatch.layouts import deepspeed, hf, lightning, megatron
+from trainwatch.layouts import deepspeed, hf, lightning, megatron, trainwatch
 from trainwatch.layouts.base import Found, entries, is_dir
 from trainwatch.layouts.dcp import DCP, METADATA, SUFFIX
 
 __all__ = ["NAMES", "Found", "Layout", "detect", "get"]
 
-NAMES: tuple[str, ...] = ("hf", "lightning", "dcp", "megatron", "deepspeed")
+NAMES: tuple[str, ...] = ("hf", "lightning", "dcp", "megatron", "deepspeed", "trainwatch")
 
 
 class Layout(Protocol):
@@ -63,6 +66,8 @@ def get(name: str, pattern: str = "step_{step}") -> Layout:
         return megatron.Megatron()
     if name == "deepspeed":
         return deepspeed.DeepSpeed()
+    if name == "trainwatch":
+        return trainwatch.Trainwatch()
     raise ValueError(f"unknown checkpoint layout {name!r} (known: {', '.join(NAMES)})")
 
 
@@ -80,6 +85,8 @@ def detect(root: Path) -> str | None:
     def any_dir(regex: re.Pattern[str]) -> bool:
         return any(regex.match(n) for n in dirs)
 
+    if trainwatch.holds_snapshots(root, dirs):
+        return "trainwatch"
     if any_dir(hf.NAME):
         return "hf"
     if megatron.TRACKER in names or any_dir(megatron.NAME):

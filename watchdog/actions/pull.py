@@ -1,0 +1,163 @@
+"""Pulling a snapshot from the job's remote store (``checkpoints.remote``)
+before a launch: the newest one when no good checkpoint is on local disk (a
+relaunch on a fresh host), or the step an operator's rollback names when only
+the remote holds it.
+
+The pull (trainwatch.snapshot.remote: fsspec, hashes checked, published into
+``checkpoints.dir`` through staging) runs in a thread of its own, so the
+supervisor's loop never waits on the network: the launch waits in BACKOFF,
+polled, as it waits for a verification (actions/verify.py). A pull that fails
+is one log line, counted with the fresh starts, and the job starts fresh (or,
+for a rollback, from the newest good one before the step); the next launch
+without a good checkpoint tries again. fsspec and s3fs are imported only in
+that thread: a daemon without remotes never loads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from trainwatch.actions import credentials
+from trainwatch.types import JobState
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
+
+log = logging.getLogger("trainwatch")
+
+POLL = 0.1  # how often a launch waiting for a pull looks again
+# Where the launch cannot wait in BACKOFF (an operator's start of a PAUSED job):
+# the loop waits at most this long, as it does for a verification.
+WAIT_MAX = 60.0
+
+
+@dataclass
+class Pull:
+    url: str
+    root: str
+    step: int | None  # None: the newest on the remote
+    reason: str  # the launch's, kept across the wait in BACKOFF
+    owner: tuple[int, int] | None = None  # the job's uid, gid when not ours
+    result: str | None = None  # the local folder pulled; None: the remote holds none
+    error: str | None = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        def run() -> None:
+            try:
+                from trainwatch.snapshot import remote
+
+                self.result = remote.pull(self.url, self.root, self.step)
+                if self.result is not None and self.owner is not None:
+                    hand_over(self.root, self.result, *self.owner)
+            except Exception as e:  # anything from the network or the store: one line
+                self.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+        self.thread = threading.Thread(target=run, name="trainwatch-pull", daemon=True)
+        self.thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
+
+    @property
+    def what(self) -> str:
+        return "the newest snapshot" if self.step is None else f"the snapshot of step {self.step}"
+
+
+def hand_over(root: str, folder: str, uid: int, gid: int) -> None:
+    """The pulled snapshot to the job's user (the daemon pulls as root): its
+    folder and files (hard links: the store's chunks with them), and the store's
+    folders we made, where the job's next saves link their chunks."""
+    for p in [folder, *(os.path.join(folder, n) for n in os.listdir(folder))]:
+        os.lchown(p, uid, gid)
+    store = os.path.join(root, "blobs")
+    try:
+        subs = [store, *(os.path.join(store, n) for n in os.listdir(store))]
+    except OSError:
+        return
+    me = os.geteuid()
+    for p in subs:
+        with contextlib.suppress(OSError):
+            if os.lstat(p).st_uid == me:
+                os.lchown(p, uid, gid)
+
+
+# The pull a job's launch waits for (a weak map: no field on JobRunner for it).
+_pulls: weakref.WeakKeyDictionary[JobRunner, Pull] = weakref.WeakKeyDictionary()
+
+
+# The attempt number each job last pulled the newest snapshot for: once per
+# launch, so that a pulled snapshot judged bad is not pulled again and again.
+_tried: weakref.WeakKeyDictionary[JobRunner, int] = weakref.WeakKeyDictionary()
+
+
+def pending(r: JobRunner) -> bool:
+    return r in _pulls
+
+
+def newest(r: JobRunner, reason: str) -> None:
+    """No good checkpoint on local disk: pull the newest remote snapshot, once
+    per launch."""
+    if r.job.checkpoints.remote is None or _tried.get(r) == r.number:
+        return
+    _tried[r] = r.number
+    begin(r, None, reason)
+
+
+def begin(r: JobRunner, step: int | None, reason: str) -> None:
+    """Start pulling (no-op when a pull is already under way for ``r``)."""
+    spec = r.job.checkpoints
+    if r in _pulls or spec.remote is None or spec.dir is None:
+        return
+    try:
+        ident = credentials.resolve(r.job.user, r.job.group)
+    except (KeyError, OSError):
+        ident = None  # the launch says so
+    owner = (ident.uid, ident.gid) if ident and ident.uid != os.geteuid() else None
+    p = Pull(spec.remote, r.catalog.spec.dir or spec.dir, step, reason, owner)
+    log.info("job %s: pulling %s from %s", r.job.name, p.what, spec.remote)
+    p.start()
+    _pulls[r] = p
+
+
+def wait(r: JobRunner, reason: str) -> str | None:
+    """The launch's turn: None while the pull runs (the launch is retried
+    shortly, the job waiting in BACKOFF); else the launch's reason, once the
+    pull is done and its outcome said."""
+    p = _pulls.get(r)
+    if p is None:
+        return reason
+    if not p.done and r.state is not None and r.state is not JobState.BACKOFF:
+        # An operator's start of a PAUSED job (PAUSED -> BACKOFF is not a transition).
+        assert p.thread is not None
+        p.thread.join(WAIT_MAX)
+    if not p.done:
+        if r.state is None:  # the first launch: it waits for the pull like a relaunch
+            r.to(JobState.BACKOFF, f"{reason}: waiting for {p.what} from {p.url}")
+        if r.state is JobState.BACKOFF:
+            r.relaunch_at = r.clock() + POLL
+            return None
+        log.warning("job %s: %s from %s not pulled in %gs: launching without it", r.job.name,
+                    p.what, p.url, WAIT_MAX)
+        return reason  # the pull goes on; the next launch finds it on disk
+    del _pulls[r]
+    if p.error is not None:
+        r.events.fresh_starts.labels(r.job.name).inc()
+        log.error("job %s: pulling %s from %s failed (%s): %s", r.job.name, p.what, p.url,
+                  p.error, "starting fresh" if p.step is None else "resuming from the newest "
+                  f"good checkpoint before step {p.step}")
+    elif p.result is None:
+        log.warning("job %s: %s holds no %s: %s", r.job.name, p.url,
+                    "snapshot" if p.step is None else f"snapshot of step {p.step}",
+                    "starting fresh" if p.step is None else "resuming from the newest good "
+                    "checkpoint before it")
+    else:
+        log.info("job %s: pulled %s from %s into %s", r.job.name, p.what, p.url, p.result)
+    return p.reason
