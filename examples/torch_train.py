@@ -7,6 +7,9 @@ skip window honoured.
 
 With --dcp each checkpoint is a torch.distributed.checkpoint folder
 (OUT/ckpt/step_N/, ``.metadata`` written last) instead of one torch.save file.
+With --snapshot, trainwatch.snapshot's Snapshotter takes them (OUT/ckpt/snapshot-N/):
+the loop waits only for the copy to host memory, the write, its report and the
+dedup of unchanged tensors happen in the background.
 
 Drills, on the first attempt only (TRAINWATCH_ATTEMPT unset or 0):
 --nan-at S fills a weight with NaN before step S, so its loss really is NaN;
@@ -49,6 +52,7 @@ def main() -> int:
     p.add_argument("--nan-at", type=int)
     p.add_argument("--crash-at", type=int)
     p.add_argument("--dcp", action="store_true", help="save with torch.distributed.checkpoint")
+    p.add_argument("--snapshot", action="store_true", help="save with trainwatch.snapshot")
     a = p.parse_args()
     ckpt = a.out / "ckpt"
     ckpt.mkdir(parents=True, exist_ok=True)
@@ -59,7 +63,17 @@ def main() -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     w = Watch()
     start, resume = 0, w.resume_from()
-    if resume and a.dcp:
+    snap = None
+    if a.snapshot:
+        from trainwatch.snapshot import Snapshotter
+
+        snap = Snapshotter(ckpt, every_steps=a.ckpt_every)  # reports each one itself
+        restored = snap.restore()  # TRAINWATCH_RESUME_FROM, every chunk's hash checked
+        if restored is not None:
+            start, state = restored
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+    elif resume and a.dcp:
         import torch.distributed.checkpoint as dcp
 
         state = {"model": model.state_dict(), "step": torch.tensor(0)}
@@ -84,7 +98,9 @@ def main() -> int:
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the pre-clip norm
         opt.step()
         w.step(step, loss, gn)
-        if step % a.ckpt_every == 0 and a.dcp:
+        if snap is not None:
+            snap.maybe_save(step, {"model": model.state_dict(), "opt": opt.state_dict()})
+        elif step % a.ckpt_every == 0 and a.dcp:
             import torch.distributed.checkpoint as dcp
 
             path = ckpt / f"step_{step}"  # a folder; .metadata, written last, completes it
@@ -101,6 +117,8 @@ def main() -> int:
             raise RuntimeError(f"injected crash after step {step}")
         time.sleep(a.step_time)
     w.close()
+    if snap is not None:
+        snap.close()  # waits for the save in flight (an exit does too)
     record(a.out, event="end", last_step=max(step, *w.skipped, start), skipped=w.skipped)
     return 0
 

@@ -27,7 +27,8 @@ def recipes() -> dict[str, list[str]]:
         if line.startswith("trainwatch run"):
             argv = shlex.split(line)
             name = Path(next(a for a in argv if a.startswith("examples/"))).stem
-            out[name + ("_dcp" if "--dcp" in argv else "")] = argv
+            flavour = next((f for f in ("--dcp", "--snapshot") if f in argv), "")
+            out[name + flavour.replace("--", "_")] = argv
     return out
 
 
@@ -35,6 +36,10 @@ def recipes() -> dict[str, list[str]]:
 DRILL = {
     "torch_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
     "torch_train_dcp": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
+    # Slow enough steps that the save at 3 is written before 6 is due (one due while
+    # one is in flight is coalesced: skipped, by design).
+    "torch_train_snapshot": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7",
+                             "--step-time", "0.3"],
     "snapshot_train": ["--epochs", "9", "--save-every", "3", "--crash-at", "7"],
     "hf_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
     "lightning_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
@@ -43,7 +48,7 @@ NEEDS = {"hf_train": ("transformers", "accelerate"), "lightning_train": ("lightn
 
 
 def test_the_readme_has_a_recipe_per_framework() -> None:
-    """Plain PyTorch, torchrun's snapshot.pt, HF Trainer, Lightning and DCP."""
+    """Plain PyTorch, torchrun's snapshot.pt, HF Trainer, Lightning, DCP and trainwatch.snapshot."""
     assert set(recipes()) == set(DRILL)
 
 
