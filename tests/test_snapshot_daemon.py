@@ -12,15 +12,18 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from conftest import Workspace, finish
-from s3server import S3Bucket
 from trainwatch import layouts
 from trainwatch.config import Checkpoints, ConfigError, from_mapping
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot.format import MANIFEST, Leaf, Manifest
 from trainwatch.state.catalog import Catalog
+
+if TYPE_CHECKING:
+    from s3server import S3Bucket
 
 # The fixtures s3server (a moto_server process, one per session) and s3 (a fresh bucket).
 pytest_plugins = ["s3server"]

@@ -150,6 +150,14 @@ def test_publish_never_overwrites_an_existing_snapshot(tmp_path: Path) -> None:
     assert [n for n in os.listdir(tmp_path) if n.startswith(".staging")] == []
 
 
+def test_publish_with_replace_puts_the_old_snapshot_aside(tmp_path: Path) -> None:
+    """replace=True: the new save of a step wins, the old folder is gone, nothing left over."""
+    writer.write(str(tmp_path), 5, {"v": b"first"})
+    second = writer.write(str(tmp_path), 5, {"v": b"second"}, replace=True)
+    assert second.published and reader.load(second.folder)[1] == {"v": b"second"}
+    assert sorted(os.listdir(tmp_path)) == ["blobs", "snapshot-5"]
+
+
 def test_published_lists_name_matched_folders_oldest_first(tmp_path: Path) -> None:
     """published(): snapshot-<step> folders only, by step; staging and others ignored."""
     for step in (10, 9, 100):

@@ -175,6 +175,32 @@ def test_restore_under_trainwatch_reads_only_resume_from(
     assert Snapshotter(tmp_path, every_steps=1).restore() == (1, {"s": 1})
 
 
+def test_a_run_resumed_from_an_older_step_replaces_the_abandoned_timelines_snapshot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rolled back to 1, the run's new step 2 replaces the old snapshot-2 (which a
+    rollback quarantined) instead of reporting the old content as its own; a
+    standalone fresh start keeps an earlier run's snapshot and reports nothing."""
+    snap = Snapshotter(tmp_path, every_steps=1)
+    for s in (1, 2):
+        saved(snap, s, {"timeline": "old", "s": s})
+    snap.close()
+    fresh = Snapshotter(tmp_path, every_steps=1)  # standalone, restore() never called
+    saved(fresh, 2, {"timeline": "fresh", "s": 2})
+    fresh.close()
+    assert fresh.saves == 0
+    assert Snapshotter(tmp_path, every_steps=1).restore() == (2, {"timeline": "old", "s": 2})
+    monkeypatch.setenv("TRAINWATCH_JOB", "job")
+    monkeypatch.setenv("TRAINWATCH_RESUME_FROM", str(tmp_path / "snapshot-1"))
+    again = Snapshotter(tmp_path, every_steps=1)
+    assert again.restore() == (1, {"timeline": "old", "s": 1})
+    saved(again, 2, {"timeline": "new", "s": 2})
+    again.close()
+    assert again.saves == 1
+    monkeypatch.setenv("TRAINWATCH_RESUME_FROM", str(tmp_path / "snapshot-2"))
+    assert Snapshotter(tmp_path, every_steps=1).restore() == (2, {"timeline": "new", "s": 2})
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith(".")) == []
+
+
 def test_each_snapshot_is_reported_on_the_daemon_socket(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After publish, a ckpt datagram naming the step and folder reaches TRAINWATCH_SOCKET."""

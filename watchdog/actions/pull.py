@@ -35,6 +35,10 @@ POLL = 0.1  # how often a launch waiting for a pull looks again
 # Where the launch cannot wait in BACKOFF (an operator's start of a PAUSED job):
 # the loop waits at most this long, as it does for a verification.
 WAIT_MAX = 60.0
+# An operator's rollback to a step not on local disk: the loop waits at most this
+# long for the remote's listing, so that a step it lacks is refused before the job
+# is touched (one request; a hung network costs the operator's command, bounded).
+LIST_MAX = 10.0
 
 
 @dataclass
@@ -57,7 +61,7 @@ class Pull:
                 if self.result is not None and self.owner is not None:
                     hand_over(self.root, self.result, *self.owner)
             except Exception as e:  # anything from the network or the store: one line
-                self.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                self.error = _one_line(e)
 
         self.thread = threading.Thread(target=run, name="trainwatch-pull", daemon=True)
         self.thread.start()
@@ -69,6 +73,34 @@ class Pull:
     @property
     def what(self) -> str:
         return "the newest snapshot" if self.step is None else f"the snapshot of step {self.step}"
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+
+
+def steps(url: str, timeout: float = LIST_MAX) -> list[int]:
+    """The steps of the snapshots ``url`` holds, listed in a thread the caller
+    waits for at most ``timeout``; a ValueError of one line when it cannot."""
+    got: list[list[int]] = []
+    error: list[str] = []
+
+    def run() -> None:
+        try:
+            from trainwatch.snapshot import remote
+
+            got.append(remote.steps(url))
+        except Exception as e:  # anything from the network or the store: one line
+            error.append(_one_line(e))
+
+    t = threading.Thread(target=run, name="trainwatch-list", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise ValueError(f"{url} did not list its snapshots within {timeout:g}s")
+    if error:
+        raise ValueError(f"cannot list the snapshots of {url}: {error[0]}")
+    return got[0]
 
 
 def hand_over(root: str, folder: str, uid: int, gid: int) -> None:

@@ -20,15 +20,20 @@ if TYPE_CHECKING:
 
 def to_step(r: JobRunner, step: int, reason: str) -> str:
     """Roll ``r`` back to its good checkpoint of ``step``; its path. None on local
-    disk but a remote store set (``checkpoints.remote``): pulled from there first,
-    the relaunch waiting for it. A ValueError when there is none (the one line
-    the operator sees)."""
+    disk but a remote store set (``checkpoints.remote``) that holds it: pulled
+    from there first, the relaunch waiting for it. A ValueError when there is
+    none (the one line the operator sees), the job left as it was."""
     entries = r.catalog.entries()
     entry = next((e for e in entries if e.step == step), None)
     remote, root = r.job.checkpoints.remote, r.catalog.spec.dir
     if entry is None and remote is not None and root is not None:
         if pull.pending(r):
             raise ValueError(f"a pull from {remote} is under way: try again once it is done")
+        held = pull.steps(remote)  # before anything is touched: a step it lacks is refused
+        if step not in held:
+            have = [e.step for e in entries if e.good]
+            raise ValueError(f"no snapshot of step {step} on local disk (good: {have or 'none'}) "
+                             f"nor on {remote} (it holds: {held[-20:] or 'none'})")
         pull.begin(r, step, reason)
         path = f"{os.path.join(root, folder_name(step))}, being pulled from {remote}"
     elif entry is None or not entry.good:

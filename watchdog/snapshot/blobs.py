@@ -190,10 +190,13 @@ class Staging:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def publish(staging: Staging, manifest: bytes) -> tuple[str, bool]:
+def publish(staging: Staging, manifest: bytes, replace: bool = False) -> tuple[str, bool]:
     """Write the manifest last and rename the staging folder to
     ``snapshot-<step>``. (folder, True) when published; (folder, False) when a
-    snapshot of that step exists already: it wins, this staging is removed."""
+    snapshot of that step exists already: it wins, this staging is removed.
+    With ``replace`` the existing one is first renamed aside (a snapshot of an
+    abandoned timeline: the caller resumed from an older step), so a crash
+    in between leaves neither under the name, never a mix."""
     tmp = os.path.join(staging.path, MANIFEST + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
@@ -209,6 +212,7 @@ def publish(staging: Staging, manifest: bytes) -> tuple[str, bool]:
     _fsync_dir(staging.path)
     crashpoint.at("staging.fsynced")
     final = os.path.join(staging.root, folder_name(staging.step))
+    aside = _set_aside(staging.root, final, staging.step) if replace else None
     try:
         os.rename(staging.path, final)
     except OSError as e:
@@ -217,9 +221,25 @@ def publish(staging: Staging, manifest: bytes) -> tuple[str, bool]:
         staging.abandon()
         return final, False
     crashpoint.at("publish.renamed")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)  # what is left, GC removes
     _fsync_dir(staging.root)
     crashpoint.at("publish.fsynced")
     return final, True
+
+
+def _set_aside(root: str, folder: str, step: int) -> str | None:
+    """Rename ``folder`` to a ``.deleting-*`` name; None when it is not there."""
+    while True:
+        dead = os.path.join(root, f".deleting-{step}-{os.getpid()}{_unique()}")
+        try:
+            os.rename(folder, dead)
+            return dead
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
 
 
 def delete(root: str, folder: str, gc: bool = True) -> bool:
@@ -230,16 +250,9 @@ def delete(root: str, folder: str, gc: bool = True) -> bool:
     step = step_of(folder)
     if step is None or os.path.dirname(os.path.abspath(folder)) != root:
         raise ValueError(f"{folder}: not a snapshot folder of {root}")
-    while True:
-        dead = os.path.join(root, f".deleting-{step}-{os.getpid()}{_unique()}")
-        try:
-            os.rename(folder, dead)
-            break
-        except FileNotFoundError:
-            return False
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
+    dead = _set_aside(root, folder, step)
+    if dead is None:
+        return False
     crashpoint.at("delete.renamed")
     _fsync_dir(root)
     shutil.rmtree(dead, ignore_errors=True)

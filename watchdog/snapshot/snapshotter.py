@@ -195,12 +195,21 @@ class Snapshotter:
                     self._cond.notify_all()
 
     def _save(self, step: int, staged: Any, stage_s: float) -> None:
+        # A snapshot of this step already on disk is newer than the one this run
+        # resumed from: an abandoned timeline (quarantined by a rollback, or judged
+        # bad). It gives way, or its content would be reported as this run's. On a
+        # standalone fresh start the earlier run's snapshots are kept.
+        replace = self.under_trainwatch or self.restored_from is not None
         w = writer.write(self.dir, step, staged, compress=self.compress,
-                         incremental=self.incremental, keep=self.keep, stage_s=stage_s)
+                         incremental=self.incremental, keep=self.keep, stage_s=stage_s,
+                         replace=replace)
         del staged
         self.last = w
-        if w.published:
-            self.saves += 1
+        if not w.published:
+            log.warning("snapshot of step %d not saved: %s is an earlier run's (kept)",
+                        step, w.folder)
+            return
+        self.saves += 1
         self._report(step, w.folder)
         crashpoint.at("report.sent")
         if not self.under_trainwatch:

@@ -36,8 +36,9 @@ def _producer(piece: memoryview, compress: str | None) -> Callable[[], tuple[Any
 def write(root: str, step: int, staged: Any, *, compress: str | None = None,
           incremental: bool = True, keep: int | None = None,
           meta: dict[str, Any] | None = None, stage_s: float = 0.0,
-          chunk: int = CHUNK) -> Written:
-    """Write the staged state as ``root/snapshot-<step>`` (see format)."""
+          chunk: int = CHUNK, replace: bool = False) -> Written:
+    """Write the staged state as ``root/snapshot-<step>`` (see format);
+    ``replace``: an existing snapshot of that step gives way (blobs.publish)."""
     t0 = time.monotonic()
     crashpoint.at("write.begin")
     skeleton, leaves = tree.flatten(staged)
@@ -61,7 +62,7 @@ def write(root: str, step: int, staged: Any, *, compress: str | None = None,
                  "write_s": round(time.monotonic() - t0, 6)}
         m = Manifest(int(step), time.time(), skeleton, out, keep, stats, dict(meta or {}))
         crashpoint.at("manifest.begin")
-        folder, published = blobs.publish(staging, m.dumps())
+        folder, published = blobs.publish(staging, m.dumps(), replace)
     except BaseException:
         staging.abandon()
         raise
