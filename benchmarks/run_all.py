@@ -334,6 +334,44 @@ def metrics_rows(m: dict[str, Any]) -> list[Row]:
     ]
 
 
+def snapshot_rows(s: dict[str, Any]) -> list[Row]:
+    """bench_snapshot.py: blocked per save, bytes per snapshot, restore, zstd."""
+    rows: list[Row] = []
+    b = s.get("blocked")
+    if b:
+        gb = f"{b['bytes'] / 1e9:.2f} GB"
+        ts, tf = b["torch_save"]["median"], b["torch_save_fsync"]["median"]
+        snap = b["snapshot"]["median"]
+        rows += [
+            stat_row(f"snapshot: blocked per save [{gb}, Snapshotter.maybe_save]",
+                     b["snapshot"], "s", 3, "≤ 10 % of torch.save", snap <= 0.1 * ts),
+            (f"  = {100 * snap / ts:.1f} % of torch.save, {100 * snap / tf:.1f} % of "
+             "torch.save + fsync", "-", "-", "-", "-", "-"),
+            stat_row("  torch.save, no fsync (not durable)", b["torch_save"], "s", 3, "-", None),
+            stat_row("  torch.save + fsync", b["torch_save_fsync"], "s", 3, "-", None),
+            stat_row("  DCP async_save (until it returns)", b["dcp_async"], "s", 3, "-", None),
+            stat_row("  DCP async_save, stager kept across saves", b["dcp_async_kept"], "s", 3,
+                     "-", None),
+        ]
+    for name in ("full-ft", "lora-attn", "lora-all"):
+        m = s.get(name)
+        if not m:
+            continue
+        full, inc = m["written_full"], m["written_incremental"]
+        lora = name.startswith("lora")
+        rows.append((f"snapshot: bytes written, incremental [{name}]",
+                     f"{inc / 2**20:.2f} MiB", f"{100 * inc / full:.2f} % of full", "-",
+                     "≤ 5 % of full" if lora else "-",
+                     ("yes" if inc <= 0.05 * full else "NO") if lora else "-"))
+        for k, where in (("restore_local_warm", "local, warm"), ("restore_s3", "from S3")):
+            if k in m:
+                rows.append(stat_row(f"  restore [{name}, {where}]", m[k], "s", 3, "-", None))
+    for what, c in s.get("compress", {}).items():
+        rows.append((f"snapshot: zstd ratio, {what}", f"{c['ratio']:.3f}",
+                     f"{c['compress_cpu_s_per_gb']:.2f} CPU s/GB", "-", "-", "-"))
+    return rows
+
+
 def table(rows: list[Row]) -> str:
     head: Row = ("figure", "median", "p99 / max", "n", "goal", "met")
     all_rows = [head, *rows]
@@ -351,7 +389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--only",
         default="beat,recovery,supervisor,gpu,metrics,flood",
-        help="comma-separated subset of beat, recovery, supervisor, gpu, metrics, flood",
+        help="comma-separated subset of beat, recovery, supervisor, gpu, metrics, flood, "
+        "snapshot (not in the default: about 3 minutes and 2 GB of disk under build/)",
     )
     p.add_argument("--calls", type=int, default=20000, help="bench_beat: calls per variant")
     p.add_argument("--crashes", type=int, default=10, help="bench_recovery: SIGKILL drills")
@@ -413,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
             m = run_one("bench_metrics.py", [], d / "metrics.json")
             rows += metrics_rows(m) if m else []
             failed += [] if m else ["bench_metrics"]
+        if "snapshot" in only:
+            n = run_one("bench_snapshot.py", [], d / "snapshot.json")
+            rows += snapshot_rows(n) if n else []
+            failed += [] if n else ["bench_snapshot"]
         if "flood" in only:
             # Its own table (trainwatch CPU and beats lost per 100,000 datagrams per sender).
             print("\n=== bench_flood.py", flush=True)

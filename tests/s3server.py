@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -86,8 +87,11 @@ def start(binary: str, timeout: float = 30.0) -> S3Server:
     last = ""
     for _ in range(3):  # free_port() can race with another process: retry on a fresh port
         port = free_port()
+        # Its log goes to a file: moto logs every request, and a pipe nobody reads
+        # fills (64 KiB) and stops the server in the middle of a session.
+        log = tempfile.TemporaryFile()  # noqa: SIM115  (the server writes it all session)
         proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                stdout=subprocess.DEVNULL, stderr=log)
         endpoint = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and proc.poll() is None:
@@ -95,7 +99,9 @@ def start(binary: str, timeout: float = 30.0) -> S3Server:
                 return S3Server(endpoint, proc)
             time.sleep(0.05)
         stop(proc)
-        last = (proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else "")
+        log.seek(0)
+        last = log.read().decode(errors="replace")[-500:]
+        log.close()
     raise AssertionError(f"moto_server did not answer: {last}")
 
 
@@ -135,8 +141,6 @@ def s3server() -> Iterator[S3Server]:
         yield server
     finally:
         stop(server.proc)
-        if server.proc.stderr:
-            server.proc.stderr.close()
 
 
 @pytest.fixture

@@ -21,7 +21,9 @@ import logging
 import os
 import re
 import socket
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainwatch.snapshot import blobs, crashpoint
@@ -35,6 +37,7 @@ __all__ = ["Remote", "RemoteError", "Uploader", "pull", "steps", "upload"]
 log = logging.getLogger("trainwatch.snapshot")
 
 PIECE = 8 * 1024 * 1024  # bytes per write/read call: the crash tables' "mid transfer"
+DOWNLOADS = 8  # chunks a pull fetches at once (at most this many held in memory)
 _BLOB_RE = re.compile(r"^[0-9a-f]{32}(\.zst)?$")
 _REMOTE_MANIFEST_RE = re.compile(r"^snapshot-(\d+)\.json$")
 _EXTRA = "pip install 'trainwatchd[snapshot]'"
@@ -197,9 +200,26 @@ class Remote:
             raise RemoteError(f"{self.url}/{remote_manifest(step)}: {e}") from None
         staging = blobs.Staging(root, step)
         try:
+            todo = []
             for name, c in m.chunks().items():
-                self._fetch(staging, name, c)
-                crashpoint.at("pull.blob.done")
+                if self._linked(staging, name, c):
+                    crashpoint.at("pull.blob.done")
+                else:
+                    todo.append((name, c))
+            # Downloads in parallel (an object store's latency is per request), each
+            # added to staging here, in order, as it arrives: at most DOWNLOADS held.
+            with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="trainwatch-pull") as pool:
+                window: deque[Future[bytearray]] = deque()
+                for i, (name, c) in enumerate(todo):
+                    while len(window) < DOWNLOADS and i + len(window) < len(todo):
+                        window.append(pool.submit(self._download, todo[i + len(window)]))
+                    buf = window.popleft().result()
+                    got = staging.add(c.hash, c.size, _given(buf, c.codec), dedup=False)
+                    del buf
+                    if got.name != name:  # the manifest names one hash under both codecs
+                        raise RemoteError(f"{self.url}: chunk {c.hash} is named twice in "
+                                          "the manifest")
+                    crashpoint.at("pull.blob.done")
             crashpoint.at("pull.publish.before")
             folder, _ = blobs.publish(staging, bytes(data))
         except BaseException:
@@ -207,21 +227,24 @@ class Remote:
             raise
         return _complete(folder)  # published, or the one published meanwhile (it wins)
 
-    def _fetch(self, staging: blobs.Staging, name: str, c: Chunk) -> None:
-        """Put chunk ``name`` in the pull's staging folder: a link to the local
-        store's copy when that is intact, else the remote's, checked."""
-        # TODO(helper A): a public Staging.link(name) (exact name, no codec swap).
-        if staging.link(name) is not None:
-            path = os.path.join(staging.path, name)
-            with open(path, "rb") as f:
-                if _intact(f.read(), c):
-                    return
-            os.unlink(path)  # a damaged local copy: take the remote's (the store keeps its own)
-            log.warning("snapshot: local store copy of chunk %s is damaged; downloading it", name)
-        rpath = self._blob(name)
+    def _linked(self, staging: blobs.Staging, name: str, c: Chunk) -> bool:
+        """Chunk ``name`` linked into staging from the local store, when that copy is intact."""
+        if staging.link(name) is None:
+            return False
+        path = os.path.join(staging.path, name)
+        with open(path, "rb") as f:
+            if _intact(f.read(), c):
+                return True
+        os.unlink(path)  # a damaged local copy: take the remote's (the store keeps its own)
+        log.warning("snapshot: local store copy of chunk %s is damaged; downloading it", name)
+        return False
+
+    def _download(self, item: tuple[str, Chunk]) -> bytearray:
+        """The remote's chunk, its hash checked."""
+        name, c = item
         buf = bytearray()
         try:
-            with self.fs.open(rpath, "rb") as f:
+            with self.fs.open(self._blob(name), "rb") as f:
                 while piece := f.read(PIECE):
                     buf += piece
                     crashpoint.at("pull.blob.partial")
@@ -230,9 +253,11 @@ class Remote:
         if not _intact(buf, c):
             raise RemoteError(f"{self.url}: chunk {name} is damaged on the remote "
                               f"({len(buf)} bytes; hash does not match); nothing was restored")
-        got = staging.add(c.hash, c.size, lambda: (buf, c.codec), dedup=False)
-        if got.name != name:  # the manifest names one hash under both codecs
-            raise RemoteError(f"{self.url}: chunk {c.hash} is named twice in the manifest")
+        return buf
+
+
+def _given(buf: bytearray, codec: str | None) -> Callable[[], tuple[Any, str | None]]:
+    return lambda: (buf, codec)
 
 
 def _fsync(path: str) -> None:
