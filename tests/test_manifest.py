@@ -113,6 +113,33 @@ def test_a_file_rewritten_in_place_with_the_same_size_is_caught(tmp_path: Path,
     assert check(m) == "optimizer.pt: content changed"
 
 
+def test_a_hard_linked_chunk_is_read_once_for_every_manifest_that_holds_it(
+        tmp_path: Path) -> None:
+    """Snapshot folders share chunks by hard link: with ``known``, the second
+    manifest takes the linked file's digest from the first (the file is not read:
+    its bytes changed behind an unchanged mtime, and the old digest is used), files
+    of one link are always read, and a check still reads every byte."""
+    a, b = tmp_path / "snapshot-1", tmp_path / "snapshot-2"
+    a.mkdir()
+    b.mkdir()
+    (a / "shared").write_bytes(os.urandom(MB))
+    os.link(a / "shared", b / "shared")
+    (a / "own").write_bytes(b"a")
+    (b / "own").write_bytes(b"b")
+    known: manifest.Known = {}
+    first = make(1, str(a), known=known)
+    assert len(known) == 1  # the linked file only
+    st = os.stat(a / "shared")
+    with open(a / "shared", "r+b") as f:  # rot: new bytes, the same size and mtime
+        f.write(b"rot")
+    os.utime(a / "shared", ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = make(2, str(b), known=known)
+    assert dict((f[0], f[2]) for f in second.files)["shared"] == \
+        dict((f[0], f[2]) for f in first.files)["shared"]
+    assert make(2, str(b)).files != second.files  # without known: read, new digest
+    assert check(second) == "shared: content changed"
+
+
 def test_a_deleted_file_or_checkpoint_is_missing(tmp_path: Path, algo: str) -> None:
     """A listed file gone, nested or not, or the whole checkpoint gone: "missing"."""
     d = ckpt(tmp_path, big=MB)

@@ -32,7 +32,7 @@ import mmap
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -210,27 +210,45 @@ def _name(m: Manifest, rel: str) -> str:
 # --- the API --------------------------------------------------------------------------
 
 
+# The digests of hard-linked files already hashed, by (device, inode, size, mtime,
+# algorithm): a chunk that trainwatch.snapshot links into every snapshot holding it
+# is read once, not once per snapshot. Only for making a manifest: a check before a
+# relaunch reads every byte again.
+Known = MutableMapping[tuple[int, int, int, int, str], str]
+
+
 def make(step: int, path: str, *, chunk: int = CHUNK,
-         should_stop: Callable[[], bool] | None = None, algo: str | None = None) -> Manifest:
+         should_stop: Callable[[], bool] | None = None, algo: str | None = None,
+         known: Known | None = None) -> Manifest:
     """Hash every regular file of the checkpoint at ``path`` (``algo``: a key of
-    ALGOS, the fastest by default). Raises OSError when it cannot be read or is
-    changing (ChangedWhileHashed), Stopped when ``should_stop()`` turned true."""
+    ALGOS, the fastest by default; ``known``: digests of hard-linked files, used
+    and filled). Raises OSError when it cannot be read or is changing
+    (ChangedWhileHashed), Stopped when ``should_stop()`` turned true."""
     algo = algo or DEFAULT_ALGO
     buf = _buffer(chunk)
     try:
-        return _make(step, path, algo, buf, should_stop)
+        return _make(step, path, algo, buf, should_stop, known)
     finally:
         _release(buf)
 
 
 def _make(step: int, path: str, algo: str, buf: mmap.mmap,
-          should_stop: Callable[[], bool] | None) -> Manifest:
+          should_stop: Callable[[], bool] | None, known: Known | None) -> Manifest:
     made = time.time()
     files = []
     for rel, opener in _files(path):
         fd = opener()
         try:
-            size, digest = _hash_fd(fd, algo, buf, should_stop)
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, algo)
+            linked = known is not None and st.st_nlink > 1
+            digest = known.get(key) if known is not None and linked else None
+            if digest is not None:
+                size = st.st_size
+            else:
+                size, digest = _hash_fd(fd, algo, buf, should_stop)
+                if known is not None and linked:
+                    known[key] = digest
         except ChangedWhileHashed as e:
             raise ChangedWhileHashed(e.errno, e.strerror, os.path.join(path, rel)) from None
         finally:

@@ -42,6 +42,8 @@ log = logging.getLogger("trainwatch")
 
 Verdict = tuple[bool | None, str]
 MAX_PENDING = 256
+# Hard-linked files whose digest a verifier remembers (about 200 bytes each).
+KNOWN_MAX = 16384
 
 
 @dataclass(eq=False)
@@ -71,6 +73,10 @@ class Verifier:
         self._counts = dict.fromkeys(
             ("made", "checked", "mismatches", "errors", "dropped", "preempted"), 0)
         self.last_seconds = 0.0  # how long the last manifest or check took
+        # Digests of hard-linked files (manifest.Known), the newest KNOWN_MAX kept:
+        # snapshot chunks shared by many snapshots are hashed once. Only this
+        # verifier's thread touches it.
+        self.known: OrderedDict[tuple[int, int, int, int, str], str] = OrderedDict()
         self._thread = threading.Thread(target=self._run, name="trainwatch-verify", daemon=True)
         self._thread.start()
 
@@ -240,7 +246,10 @@ class Verifier:
             return True, "verified"
         with self._cond:
             job.making = True
-        m = make(job.step, job.path, chunk=self.chunk, should_stop=lambda: self._should_stop(job))
+        m = make(job.step, job.path, chunk=self.chunk, should_stop=lambda: self._should_stop(job),
+                 known=self.known)
+        while len(self.known) > KNOWN_MAX:
+            self.known.popitem(last=False)
         self.last_seconds = self.clock() - t0
         try:
             self.store.put(m)
