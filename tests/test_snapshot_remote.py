@@ -343,3 +343,31 @@ def test_uploader_counts_a_vanished_folder_and_does_not_retry_it(s3: S3Bucket,
     up.submit(str(tmp_path / "snapshot-8"))
     assert up.close(timeout=30)
     assert up.failures_by_kind == {"vanished": 1}
+
+
+def test_a_run_resumed_under_trainwatch_retires_the_remotes_newer_snapshots(
+        s3: S3Bucket, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resumed from 2 (trainwatch rolled back past 3 and 4), the Snapshotter retires the
+    remote's manifests of 3 and 4 before any upload, so that a relaunch on a fresh host
+    pulls 2, not the abandoned 4; its own new 3 goes up and is listed."""
+    from trainwatch.snapshot import Snapshotter
+
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4):
+        upload(s3.url, make_snapshot(run, step, [leaf_bytes(step)]))
+    assert steps(s3.url) == [1, 2, 3, 4]
+    monkeypatch.setenv("TRAINWATCH_JOB", "job")
+    monkeypatch.setenv("TRAINWATCH_RESUME_FROM", str(run / "snapshot-2"))
+    snap = Snapshotter(run, every_steps=1, remote=s3.url)
+    restored = snap.restore()
+    assert restored is not None and restored[0] == 2
+    wait_for(lambda: steps(s3.url) == [1, 2], what="the remote's 3 and 4 retired")
+    assert pull(s3.url, str(tmp_path / "fresh-host")) == str(tmp_path / "fresh-host" / "snapshot-2")
+    assert snap.maybe_save(3, {"new": b"three"})
+    snap.close(timeout=60)
+    assert steps(s3.url) == [1, 2, 3]
+    fresh = pull(s3.url, str(tmp_path / "another-host"), 3)
+    assert fresh is not None and read(fresh).step == 3
+    r = Remote(s3.url)
+    names = {str(p).rsplit("/", 1)[-1] for p in r.fs.ls(r.root, detail=False)}
+    assert {"snapshot-3.json.retired", "snapshot-4.json.retired"} <= names  # kept to read

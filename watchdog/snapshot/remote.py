@@ -176,6 +176,18 @@ class Remote:
                 out.append(int(m.group(1)))
         return sorted(out)
 
+    def retire_after(self, step: int) -> list[int]:
+        """Rename the manifests of steps after ``step`` to ``snapshot-<s>.json.retired``
+        (no longer listed, still there to read): a run resumed from ``step`` abandoned
+        them (a rollback past a loss anomaly, an operator's point in time), and a
+        relaunch on a fresh host must not pull one as the newest. Their chunks stay.
+        A kill between the copy and the delete leaves the manifest listed: retried."""
+        retired = [s for s in self.steps() if s > step]
+        for s in retired:
+            name = self._path(remote_manifest(s))
+            self.fs.mv(name, f"{name}.retired")
+        return retired
+
     def pull(self, root: str, step: int | None = None) -> str | None:
         """The local folder of the remote snapshot ``step`` (default: the newest),
         pulled into ``root`` unless there already; None when the remote has none."""

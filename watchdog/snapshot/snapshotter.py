@@ -217,11 +217,15 @@ class Snapshotter:
         blobs.collect(self.dir)
         crashpoint.at("gc.done")
         if self.remote is not None:
-            if self._uploader is None:
-                from trainwatch.snapshot.remote import Uploader
+            self._upload().submit(w.folder)
 
-                self._uploader = Uploader(self.remote)
-            self._uploader.submit(w.folder)
+    def _upload(self) -> Any:
+        if self._uploader is None:
+            from trainwatch.snapshot.uploader import Uploader
+
+            assert self.remote is not None
+            self._uploader = Uploader(self.remote)
+        return self._uploader
 
     def _report(self, step: int, folder: str) -> None:
         if self._client is None:
@@ -288,6 +292,10 @@ class Snapshotter:
         self.restored_from = os.path.abspath(folder)
         self._last_step = step
         self._advance(step)
+        if self.under_trainwatch and self.remote is not None and self.rank == 0:
+            # Newer snapshots on the remote belong to the run trainwatch did not
+            # resume (rolled back, or not good): a fresh host must not pull them.
+            self._upload().retire_after(step)
         return step, state
 
     def _newest_local(self) -> str | None:

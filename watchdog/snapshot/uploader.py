@@ -34,6 +34,7 @@ class Uploader:
         self._remote: Remote | None = None
         self._cond = threading.Condition()
         self._pending: str | None = None
+        self._retire: int | None = None  # retire_after's step, done before any upload
         self.in_flight: str | None = None  # the folder being uploaded now
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="trainwatch-upload", daemon=True)
@@ -49,9 +50,17 @@ class Uploader:
             self._pending = folder
             self._cond.notify_all()
 
+    def retire_after(self, step: int) -> None:
+        """Before the next upload: retire the remote's manifests of steps after
+        ``step`` (Remote.retire_after), once. A failure is logged, not retried: a
+        later try could retire this run's own new snapshots."""
+        with self._cond:
+            self._retire = step
+            self._cond.notify_all()
+
     def idle(self) -> bool:
         with self._cond:
-            return self._pending is None and self.in_flight is None
+            return self._pending is None and self._retire is None and self.in_flight is None
 
     def close(self, timeout: float | None = None) -> bool:
         """Finish the upload in flight and the one waiting (one try each), then
@@ -66,11 +75,20 @@ class Uploader:
         wait = self._backoff[0]
         while True:
             with self._cond:
-                while self._pending is None and not self._closing:
+                while self._pending is None and self._retire is None and not self._closing:
                     self._cond.wait()
+                retire, self._retire = self._retire, None
+                if retire is not None:
+                    self.in_flight = f"retiring snapshots after step {retire}"
+            if retire is not None:
+                self._retire_after(retire)
+            with self._cond:
+                self.in_flight = None
                 folder = self._pending
                 if folder is None:
-                    return
+                    if self._closing:
+                        return
+                    continue  # it was a retirement only
                 self._pending = None
                 self.in_flight = folder
             ok, retry = self._one(folder)
@@ -83,6 +101,18 @@ class Uploader:
                     wait = min(wait * 2, self._backoff[1])
                     if self._pending is None and not self._closing:
                         self._pending = folder
+
+    def _retire_after(self, step: int) -> None:
+        try:
+            if self._remote is None:
+                self._remote = Remote(self.url)
+            gone = self._remote.retire_after(step)
+        except Exception as e:
+            self._failed("retire", f"snapshots after step {step}", e)
+            return
+        if gone:
+            log.info("snapshot: resumed from step %d: retired %s's snapshots of steps %s "
+                     "(an abandoned run's)", step, self.url, gone)
 
     def _one(self, folder: str) -> tuple[bool, bool]:
         """Upload one folder: (succeeded, worth retrying)."""
