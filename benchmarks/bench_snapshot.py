@@ -66,6 +66,7 @@ import torch
 from _common import ROOT, machine, machine_line, summarize, write_json
 from torch import nn
 from trainwatch.snapshot import Snapshotter, codec, format
+from trainwatch.state import manifest
 
 MIB = 1 << 20
 GB = 1e9
@@ -395,11 +396,30 @@ def bench_model(root: Path, name: str, trainer: Trainer, runs: int, between: int
         print(f"  written per snapshot, {v:16s}: {m / MIB:9.3f} MiB "
               f"({100 * m / full:6.2f} % of full)", flush=True)
 
+    res |= bench_manifest(name, dirs["incremental"], runs)
     if do_restore:
         res |= bench_restore(root, name, dirs["incremental"], runs, url)
     for p in dirs.values():
         shutil.rmtree(p, ignore_errors=True)
     return res
+
+
+def bench_manifest(name: str, d: Path, runs: int) -> dict[str, Any]:
+    """The daemon's side of one new snapshot: its verification manifest (state/manifest.py,
+    xxh3 of every file), every byte read vs the digests of chunks it shares with the
+    snapshot before taken from that one's manifest (page cache warm in both)."""
+    before, newest = sorted(published(d))[-2:]
+    known: manifest.Known = {}
+    manifest.make(before, str(d / format.folder_name(before)), known=known)
+    folder = str(d / format.folder_name(newest))
+    every, linked = [], []
+    for _ in range(runs):
+        every.append(timed(lambda: manifest.make(newest, folder))[0])
+        linked.append(timed(lambda: manifest.make(newest, folder, known=dict(known)))[0])
+    print(f"(2) {name}: the daemon's manifest of a new snapshot: every byte read "
+          f"{median(every):.4f} s, shared chunks known {median(linked):.4f} s", flush=True)
+    return {"manifest_every": summarize(every).as_dict(),
+            "manifest_known": summarize(linked).as_dict()}
 
 
 def bench_restore(root: Path, name: str, d: Path, runs: int, url: str | None) -> dict[str, Any]:
@@ -526,6 +546,11 @@ def table(res: dict[str, Any]) -> str:
             rows.append((f"bytes written per snapshot [{name}], {v}", f"{w / MIB:.3f} MiB", note))
         rows.append((f"blocked per save [{name}], Snapshotter.maybe_save",
                      f"{m['blocked']['median']:.4f} s", ""))
+        if "manifest_every" in m:
+            rows.append((f"daemon: manifest of a new snapshot [{name}]",
+                         f"{m['manifest_known']['median']:.4f} s",
+                         f"shared chunks' digests known; {m['manifest_every']['median']:.4f} s "
+                         "reading every byte"))
         for k, label in (("restore_local_warm", "local, warm"),
                          ("restore_local_cold", "local, cold"),
                          ("restore_s3", "from S3 (moto) into an empty dir")):

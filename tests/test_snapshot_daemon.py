@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from conftest import Workspace, finish
+from conftest import Workspace, finish, local_user
 from trainwatch import layouts
 from trainwatch.config import Checkpoints, ConfigError, from_mapping
 from trainwatch.snapshot import blobs
@@ -232,3 +232,32 @@ def test_a_relaunch_on_an_empty_dir_pulls_the_newest_snapshot_and_resumes(
     assert log[-1].startswith("attempt 0 from 20 ("), log
     assert str(tmp_path / "b" / "ckpt" / "snapshot-20") in log[-1], log
     assert np.array_equal(np.load(out), _reference(30))
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["pulled", "pull-failed"])
+def test_a_pull_as_root_hands_the_fresh_checkpoint_folder_to_the_jobs_user(
+        tmp_path: Path, s3: S3Bucket, damaged: bool) -> None:
+    """On a fresh host the daemon (root) makes checkpoints.dir: pulled or not, that
+    folder, the store and the pulled snapshot become the job's user's, or its saves fail;
+    a folder that was there before keeps its owner."""
+    from trainwatch.actions.pull import Pull
+    from trainwatch.snapshot.remote import Remote, upload
+
+    user = local_user("twtest1")
+    src = _snapshot(tmp_path / "src", 5, b"weights" * 1000)
+    upload(s3.url, str(src))
+    if damaged:  # the chunk on the remote rots: the pull fails after its staging began
+        r = Remote(s3.url)
+        name = _chunk_file(src).name
+        r.fs.pipe(f"{r.root}/blobs/{name[:2]}/{name}", b"rot" * 2333)
+    root = tmp_path / "fresh-host" / "ckpt"
+    p = Pull(s3.url, str(root), None, "test", (user.pw_uid, user.pw_gid))
+    p.start()
+    assert p.thread is not None
+    p.thread.join(60)
+    assert (p.error is not None) == damaged, p.error
+    owned = [root, root / "blobs", *(root / "blobs").iterdir()]
+    if not damaged:
+        owned += [root / "snapshot-5", *(root / "snapshot-5").iterdir()]
+    assert {str(q): q.lstat().st_uid for q in owned} == {str(q): user.pw_uid for q in owned}
+    assert (tmp_path / "fresh-host").stat().st_uid == 0  # not ours to give

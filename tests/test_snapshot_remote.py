@@ -308,7 +308,7 @@ def test_uploader_newest_wins_while_one_is_in_flight(s3: S3Bucket, local: Path,
     up = Uploader(s3.url)
     pause()  # the first upload starts and hangs on the server
     up.submit(folders[0])
-    wait_for(lambda: up.in_flight == folders[0], what="upload 1 in flight")
+    wait_for(lambda: up.in_flight is not None, what="upload 1 in flight")
     for f in folders[1:]:
         up.submit(f)
     assert up.superseded == 2
@@ -371,3 +371,44 @@ def test_a_run_resumed_under_trainwatch_retires_the_remotes_newer_snapshots(
     r = Remote(s3.url)
     names = {str(p).rsplit("/", 1)[-1] for p in r.fs.ls(r.root, detail=False)}
     assert {"snapshot-3.json.retired", "snapshot-4.json.retired"} <= names  # kept to read
+
+
+def test_an_upload_outlives_keep_deleting_its_snapshot(s3: S3Bucket, local: Path,
+                                                       paused: Any) -> None:
+    """A snapshot deleted (by keep, or the daemon's retention) while it waits behind a slow
+    upload still goes up whole: the uploader holds hard links of its own (a pin)."""
+    pause, resume = paused
+    first, second = (make_snapshot(local, step, [leaf_bytes(step)]) for step in (1, 2))
+    up = Uploader(s3.url)
+    pause()
+    up.submit(first)
+    wait_for(lambda: up.in_flight is not None, what="upload 1 in flight")
+    up.submit(second)
+    assert blobs.delete(str(local), second)  # what keep=1 does next
+    resume()
+    assert up.close(timeout=60)
+    assert (up.uploaded, up.failures) == (2, 0), up.failures_by_kind
+    assert steps(s3.url) == [1, 2]
+    assert pull(s3.url, str(local / "elsewhere"), 2) is not None
+    blobs.collect(str(local))  # the pins are gone with the upload: nothing left to collect
+    assert sorted(n for n in os.listdir(local) if n.startswith(".")) == []
+
+
+def test_a_rotted_local_snapshot_is_repaired_from_the_remote(s3: S3Bucket, local: Path) -> None:
+    """pull() of a step whose local folder fails its hashes takes the remote's copy in its
+    place (the local store's intact chunks linked, the rotted one downloaded)."""
+    folder = make_snapshot(local, 3, [leaf_bytes(3), leaf_bytes(30)])
+    upload(s3.url, folder)
+    m = read(folder)
+    name = sorted(m.chunks())[0]
+    path = os.path.join(folder, name)
+    data = bytearray(Path(path).read_bytes())
+    os.unlink(path)  # a copy of its own, rotted (the store keeps the shared inode)
+    data[100] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
+    assert judge(folder)[0]  # sizes alone do not see it
+    assert pull(s3.url, str(local), 3) == folder
+    stored = {n: Path(blobs.store_path(str(local), n)) for n in m.chunks()}
+    assert all(Path(folder, n).read_bytes() == p.read_bytes() for n, p in stored.items())
+    assert Path(folder, name).stat().st_ino == stored[name].stat().st_ino  # the intact one

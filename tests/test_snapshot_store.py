@@ -77,6 +77,18 @@ def test_rich_state_round_trips_bit_identically(tmp_path: Path) -> None:
     assert kinds == {"torch", "numpy", "bytes", "pickle"}
 
 
+def test_numpy_strings_and_array_subclasses_round_trip(tmp_path: Path) -> None:
+    """A unicode array (its dtype name "str64" is not one numpy takes back) and a masked
+    array (more than its bytes: pickled whole) save and restore, mask included."""
+    state = {"words": np.array(["ab", "c"]), "when": np.array(["2026-11-24"], "M8[ns]"),
+             "masked": np.ma.array([1.0, 2.0], mask=[False, True])}
+    w = writer.write(str(tmp_path), 1, state)
+    got = reader.load(w.folder)[1]
+    assert same(got["words"], state["words"]) and same(got["when"], state["when"])
+    assert type(got["masked"]) is np.ma.MaskedArray
+    assert got["masked"].mask.tolist() == [False, True] and got["masked"][0] == 1.0
+
+
 def test_manifest_holds_the_documented_fields(tmp_path: Path) -> None:
     """snapshot.json: format, version, step, tree, leaves with chunks, keep, stats, meta."""
     w = writer.write(str(tmp_path), 3, {"x": np.zeros(4)}, keep=2, meta={"run": "a"})

@@ -53,15 +53,22 @@ class Pull:
     thread: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
+        made: list[str] = []
+
         def run() -> None:
             try:
                 from trainwatch.snapshot import remote
 
+                if not os.path.isdir(self.root):  # a fresh host: made here, as root
+                    os.makedirs(self.root)
+                    made.append(self.root)
                 self.result = remote.pull(self.url, self.root, self.step)
-                if self.result is not None and self.owner is not None:
-                    hand_over(self.root, self.result, *self.owner)
             except Exception as e:  # anything from the network or the store: one line
                 self.error = _one_line(e)
+            finally:  # pulled or not: what we made is the job's, or it cannot save
+                if self.owner is not None:
+                    with contextlib.suppress(OSError):
+                        hand_over(self.root, self.result, *self.owner, made=bool(made))
 
         self.thread = threading.Thread(target=run, name="trainwatch-pull", daemon=True)
         self.thread.start()
@@ -103,19 +110,21 @@ def steps(url: str, timeout: float = LIST_MAX) -> list[int]:
     return got[0]
 
 
-def hand_over(root: str, folder: str, uid: int, gid: int) -> None:
-    """The pulled snapshot to the job's user (the daemon pulls as root): its
-    folder and files (hard links: the store's chunks with them), and the store's
-    folders we made, where the job's next saves link their chunks."""
-    for p in [folder, *(os.path.join(folder, n) for n in os.listdir(folder))]:
-        os.lchown(p, uid, gid)
+def hand_over(root: str, folder: str | None, uid: int, gid: int, made: bool = False) -> None:
+    """What a pull made, to the job's user (the daemon pulls as root): the
+    pulled snapshot's folder and files (hard links: the store's chunks with
+    them), and the folders we made (the checkpoint folder itself on a fresh
+    host (``made``), the store's), where the job's next saves stage and link chunks."""
+    if folder is not None:
+        for p in [folder, *(os.path.join(folder, n) for n in os.listdir(folder))]:
+            os.lchown(p, uid, gid)
     store = os.path.join(root, "blobs")
     try:
-        subs = [store, *(os.path.join(store, n) for n in os.listdir(store))]
+        subs = [os.path.join(store, n) for n in os.listdir(store)]
     except OSError:
-        return
+        subs = []
     me = os.geteuid()
-    for p in subs:
+    for p in ((root,) if made else ()) + (store, *subs):
         with contextlib.suppress(OSError):
             if os.lstat(p).st_uid == me:
                 os.lchown(p, uid, gid)

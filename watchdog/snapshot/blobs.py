@@ -38,7 +38,8 @@ from trainwatch.snapshot.format import (
     step_of,
 )
 
-__all__ = ["STORE", "Staging", "collect", "delete", "digest", "publish", "store_path"]
+__all__ = ["STORE", "Staging", "collect", "delete", "digest", "pin", "publish", "store_path",
+           "unpin"]
 
 log = logging.getLogger("trainwatch.snapshot")
 
@@ -226,6 +227,34 @@ def publish(staging: Staging, manifest: bytes, replace: bool = False) -> tuple[s
     _fsync_dir(staging.root)
     crashpoint.at("publish.fsynced")
     return final, True
+
+
+def pin(folder: str) -> str:
+    """A staging folder of this process holding hard links to every file of the
+    snapshot ``folder``: what an upload reads, whatever keep or the daemon's
+    retention deletes meanwhile (GC spares it while this process lives). Where
+    links are refused, ``folder`` itself. FileNotFoundError: it is gone."""
+    root, step = os.path.dirname(os.path.abspath(folder)), step_of(folder)
+    if step is None:
+        raise ValueError(f"{folder}: not a snapshot folder (snapshot-<step>)")
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(errno.ENOENT, "snapshot folder gone", folder)
+    s = Staging(root, step)
+    try:
+        for name in os.listdir(folder):
+            os.link(os.path.join(folder, name), os.path.join(s.path, name))
+    except OSError as e:
+        s.abandon()
+        if e.errno in _NO_LINK:
+            return folder
+        raise
+    return s.path
+
+
+def unpin(path: str) -> None:
+    """Remove a folder ``pin`` made (never a snapshot folder)."""
+    if STAGING_RE.match(os.path.basename(path)):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _set_aside(root: str, folder: str, step: int) -> str | None:

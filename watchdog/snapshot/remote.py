@@ -27,7 +27,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainwatch.snapshot import blobs, crashpoint
-from trainwatch.snapshot.format import MANIFEST, Chunk, folder_name, judge, loads, read
+from trainwatch.snapshot.format import (
+    MANIFEST,
+    STAGING_RE,
+    Chunk,
+    folder_name,
+    judge,
+    loads,
+    read,
+)
 
 if TYPE_CHECKING:
     from trainwatch.snapshot.uploader import Uploader
@@ -137,12 +145,18 @@ class Remote:
     def upload(self, folder: str) -> dict[str, int]:
         """Upload the published snapshot ``folder``: the blobs the remote lacks,
         then its manifest. bytes_uploaded, blobs_uploaded, blobs_present."""
+        pinned = STAGING_RE.match(os.path.basename(folder))  # blobs.pin's copy of one
         try:
-            m = read(folder)
-        except ValueError as e:
-            raise RemoteError(str(e)) from None
-        with open(os.path.join(folder, MANIFEST), "rb") as f:
-            manifest = f.read()
+            if pinned is None:
+                m = read(folder)
+            with open(os.path.join(folder, MANIFEST), "rb") as f:
+                manifest = f.read()
+            if pinned is not None:
+                m = loads(manifest, int(pinned.group(1)))
+        except (OSError, ValueError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise RemoteError(f"{folder}: {e}") from None
         have = self.index()
         out = {"bytes_uploaded": 0, "blobs_uploaded": 0, "blobs_present": 0}
         for name, c in m.chunks().items():
@@ -200,8 +214,10 @@ class Remote:
             return None
         root = os.path.abspath(root)
         local = os.path.join(root, folder_name(step))
-        if os.path.isdir(local):
-            return _complete(local)
+        if os.path.isdir(local) and _whole(local):
+            return local
+        # Not here, or here but damaged (a chunk cut short, or rotted: its hash):
+        # pulled anew, the local store's intact chunks linked, and put in its place.
         rpath = self._path(remote_manifest(step))
         try:
             data = self.fs.cat_file(rpath)
@@ -233,7 +249,7 @@ class Remote:
                                           "the manifest")
                     crashpoint.at("pull.blob.done")
             crashpoint.at("pull.publish.before")
-            folder, _ = blobs.publish(staging, bytes(data))
+            folder, _ = blobs.publish(staging, bytes(data), replace=os.path.isdir(local))
         except BaseException:
             staging.abandon()
             raise
@@ -285,6 +301,19 @@ def _complete(folder: str) -> str:
     if not ok:
         raise RemoteError(f"{folder}: exists but is not a complete snapshot ({why})")
     return folder
+
+
+def _whole(folder: str) -> bool:
+    """Every chunk of the local snapshot ``folder`` there and matching its hash."""
+    try:
+        m = read(folder)
+        for name, c in m.chunks().items():
+            with open(os.path.join(folder, name), "rb") as f:
+                if not _intact(f.read(), c):
+                    return False
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _intact(data: Any, c: Chunk) -> bool:

@@ -190,6 +190,7 @@ class Snapshotter:
                 self.last_error = f"{type(e).__name__}: {e}"
                 log.error("snapshot of step %d failed: %s", job[0], self.last_error)
             finally:
+                job = None  # the staged copy: not held while waiting for the next save
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()

@@ -61,7 +61,10 @@ def _numpy_leaf(a: Any) -> Leaf | None:
     dt = a.dtype
     if dt.hasobject or dt.fields is not None or dt.subdtype is not None:
         return None
-    name = dt.name if np.dtype(dt.name) == dt else dt.str
+    try:  # "float32" where that names it exactly, else the exact form (">i4", "<U2")
+        name = dt.name if np.dtype(dt.name) == dt else dt.str
+    except TypeError:  # a name numpy does not take back ("str64")
+        name = dt.str
     c = a if a.flags.c_contiguous else a.copy(order="C")
     return Leaf("numpy", name, list(a.shape), _bytes_view(c.reshape(-1).view(np.uint8)))
 
@@ -70,7 +73,8 @@ def _leaf(x: Any) -> Leaf:
     out: Leaf | None = None
     if "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
         out = _torch_leaf(x)
-    elif "numpy" in sys.modules and isinstance(x, sys.modules["numpy"].ndarray):
+    elif "numpy" in sys.modules and type(x) is sys.modules["numpy"].ndarray:  # subclasses
+        # (a masked array, a matrix) carry more than their bytes: pickled
         out = _numpy_leaf(x)
     elif type(x) is bytes:
         out = Leaf("bytes", None, None, memoryview(x))

@@ -8,6 +8,7 @@ import logging
 import os
 import threading
 
+from trainwatch.snapshot import blobs
 from trainwatch.snapshot.remote import Remote, RemoteError
 
 __all__ = ["Uploader"]
@@ -41,14 +42,27 @@ class Uploader:
         self._thread.start()
 
     def submit(self, folder: str) -> None:
-        """Upload ``folder`` (a published snapshot) after the one in flight."""
+        """Upload ``folder`` (a published snapshot) after the one in flight. Its
+        files are hard-linked at once into a folder of the upload's own
+        (blobs.pin), so keep or the daemon's retention deleting the snapshot
+        before its upload ends takes nothing from it."""
+        try:
+            pinned = blobs.pin(folder)
+        except (OSError, ValueError) as e:
+            self._failed("vanished" if isinstance(e, FileNotFoundError) else type(e).__name__,
+                         folder, e)
+            return
         with self._cond:
-            if self._closing:
-                return
-            if self._pending is not None:
-                self.superseded += 1
-            self._pending = folder
-            self._cond.notify_all()
+            old, closing = self._pending, self._closing
+            if not closing:
+                if old is not None:
+                    self.superseded += 1
+                self._pending = pinned
+                self._cond.notify_all()
+        if closing:
+            blobs.unpin(pinned)
+        elif old is not None:
+            blobs.unpin(old)
 
     def retire_after(self, step: int) -> None:
         """Before the next upload: retire the remote's manifests of steps after
@@ -100,7 +114,9 @@ class Uploader:
                     self._cond.wait(wait)  # a submit or close ends the wait early
                     wait = min(wait * 2, self._backoff[1])
                     if self._pending is None and not self._closing:
-                        self._pending = folder
+                        self._pending, folder = folder, None  # tried again, still pinned
+            if folder is not None:
+                blobs.unpin(folder)
 
     def _retire_after(self, step: int) -> None:
         try:
