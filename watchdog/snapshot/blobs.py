@@ -86,19 +86,20 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_file(path: str, data: Any) -> None:
-    """Write ``data`` to ``path.tmp``, fsync, rename to ``path``."""
+def _write_file(path: str, data: Any, what: str) -> None:
+    """Write ``data`` to ``path.tmp``, fsync, rename to ``path`` (``what``: the
+    crash points' prefix, chunk or manifest)."""
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         view = memoryview(data).cast("B")
         while view:
             view = view[os.write(fd, view):]
-        crashpoint.at("chunk.tmp_written")
+        crashpoint.at(f"{what}.tmp_written")
         os.fsync(fd)
     finally:
         os.close(fd)
-    crashpoint.at("chunk.fsynced")
+    crashpoint.at(f"{what}.fsynced")
     os.rename(tmp, path)
 
 
@@ -161,7 +162,7 @@ class Staging:
         data, codec = produce()
         name = blob_name(h, codec)
         path = os.path.join(self.path, name)
-        _write_file(path, data)
+        _write_file(path, data, "chunk")
         n = memoryview(data).nbytes
         self.written += n
         self.new_raw += size
@@ -198,17 +199,7 @@ def publish(staging: Staging, manifest: bytes, replace: bool = False) -> tuple[s
     With ``replace`` the existing one is first renamed aside (a snapshot of an
     abandoned timeline: the caller resumed from an older step), so a crash
     in between leaves neither under the name, never a mix."""
-    tmp = os.path.join(staging.path, MANIFEST + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(manifest)
-        while view:
-            view = view[os.write(fd, view):]
-        crashpoint.at("manifest.tmp_written")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, os.path.join(staging.path, MANIFEST))
+    _write_file(os.path.join(staging.path, MANIFEST), manifest, "manifest")
     crashpoint.at("manifest.renamed")
     _fsync_dir(staging.path)
     crashpoint.at("staging.fsynced")
