@@ -640,3 +640,19 @@ def test_a_daemon_whose_jobs_just_run_writes_no_log_lines(host: Host) -> None:
     assert new == [], new[:4]
     assert s["state"] == "running" and host.incidents() == []
 
+
+
+def test_an_operator_starts_a_job_that_exited_again(host: Host) -> None:
+    """`trainwatch start` on an exited job launches it anew (a fresh attempt), and the
+    daemon goes on: exited and fatal end a run, not the job's life under the daemon."""
+    host.config([host.job_doc("a")])
+    d = host.daemon()
+    pid = started(host, d, "a")["pid"]
+    host.trigger("a", "exit_code", "0")
+    wait_for(lambda: host.status("a").get("state") == "exited", timeout=30, what="state exited")
+    r = host.cli("start", "a", "--config", str(host.path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    (host.job_dir("a") / "exit_code").unlink(missing_ok=True)
+    again = started(host, d, "a", min_step=1)
+    assert again["pid"] != pid and d.alive(), d.output()[-2000:]
+    assert [t["to_state"] for t in host.transitions()][-2:] == ["starting", "running"]

@@ -32,8 +32,9 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         {JobState.BACKOFF, JobState.EXITED, JobState.FATAL, JobState.PAUSED}
     ),
     JobState.BACKOFF: frozenset({JobState.STARTING, JobState.FATAL, JobState.PAUSED}),
-    JobState.EXITED: frozenset(),
-    JobState.FATAL: frozenset(),
+    # An ended job is started again only by an operator (`trainwatch start`).
+    JobState.EXITED: frozenset({JobState.STARTING}),
+    JobState.FATAL: frozenset({JobState.STARTING}),
     JobState.PAUSED: frozenset({JobState.STARTING}),
 }
 
