@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pytest
 from conftest import Workspace, finish, local_user
 from trainwatch import layouts
@@ -203,7 +204,6 @@ def test_a_relaunch_on_an_empty_dir_pulls_the_newest_snapshot_and_resumes(
     """Snapshots upload to S3; the job crashes at step 20 and trainwatch gives up; on a
     fresh host (no checkpoint dir, no state) `trainwatch run --remote` pulls snapshot-20,
     resumes from it, and ends with the bit-identical state of an uninterrupted run."""
-    np = pytest.importorskip("numpy")
     out = tmp_path / "final.npy"
     env = s3.subprocess_env()
 
