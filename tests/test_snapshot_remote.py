@@ -18,7 +18,8 @@ import pytest
 from conftest import wait_for
 from trainwatch.snapshot import blobs, codec
 from trainwatch.snapshot.format import Leaf, Manifest, judge, read
-from trainwatch.snapshot.remote import Remote, RemoteError, Uploader, pull, steps, upload
+from trainwatch.snapshot.remote import Remote, RemoteError, pull, steps, upload
+from trainwatch.snapshot.uploader import Uploader
 
 if TYPE_CHECKING:
     from s3server import S3Bucket, S3Server

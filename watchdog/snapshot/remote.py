@@ -24,7 +24,7 @@ import socket
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from trainwatch.snapshot import blobs, crashpoint
 from trainwatch.snapshot.format import (
@@ -37,10 +37,7 @@ from trainwatch.snapshot.format import (
     read,
 )
 
-if TYPE_CHECKING:
-    from trainwatch.snapshot.uploader import Uploader
-
-__all__ = ["Remote", "RemoteError", "Uploader", "pull", "steps", "upload"]
+__all__ = ["Remote", "RemoteError", "pull", "steps", "upload"]
 
 log = logging.getLogger("trainwatch.snapshot")
 
@@ -378,12 +375,3 @@ def pull(url: str, root: str, step: int | None = None) -> str | None:
     pulled into ``root``; None when the remote has none (of that step)."""
     return _wrapped(url, lambda r: r.pull(root, step))
 
-
-def __getattr__(name: str) -> Any:
-    # Uploader lives in its own module (the thread and its policy), still importable
-    # from here as the spec names it; lazily, as uploader imports this module.
-    if name == "Uploader":
-        from trainwatch.snapshot.uploader import Uploader
-
-        return Uploader
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
