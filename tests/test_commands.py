@@ -6,8 +6,9 @@ The daemon's server side of these ops is written separately: here a real
 `trainwatch.control.ControlSocket`, served by a thread of the test, answers
 with canned replies in the agreed schema and records what it was asked. Tests
 against the live daemon belong with the daemon. Also here: no daemon (no
-socket, a stale one), a real unprivileged user refused by the file mode and by
-the SO_PASSCRED check, the daemon's refusals, and `incidents` falling back to
+socket, a stale one), a real unprivileged user kept out by a closed run_dir,
+reaching the daemon as itself (SO_PASSCRED) and refused by it, the daemon's
+refusals, and `incidents` falling back to
 the ledger without a daemon."""
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Any
 import pytest
 from conftest import ServedControl, UserPython, Workspace, local_user
 from trainwatch.commands import render_incidents
-from trainwatch.control import ControlSocket, control_path
+from trainwatch.control import ControlSocket, Peer, Refused, control_path
 from trainwatch.state.ledger import Ledger
 from trainwatch.types import Fault, FaultKind
 
-NO_GROUP = "tw-no-such-group"  # a socket group nobody is in: root and the daemon only
+NO_GROUP = "tw-no-such-group"  # an admin group nobody is in: root and the daemon only
 Reply = dict[str, Any] | Exception
 
 
@@ -41,11 +42,13 @@ class Daemon(ServedControl):
 
     def __init__(self, run_dir: str, replies: dict[str, Reply], group: str = NO_GROUP) -> None:
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.peers: list[Peer] = []
         self.replies = replies
         super().__init__(ControlSocket(run_dir, self._handle, group=group))
 
-    def _handle(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+    def _handle(self, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
         self.calls.append((op, args))
+        self.peers.append(peer)
         reply = self.replies[op]
         if isinstance(reply, Exception):
             raise reply
@@ -386,39 +389,40 @@ def _as_user(up: UserPython, user: str, *argv: str) -> subprocess.CompletedProce
         env=up.env(), capture_output=True, text=True, timeout=60, check=False)
 
 
-def _permission_line(run_dir: str) -> str:
-    return (f"trainwatch: permission denied: {run_dir}/control.sock: root or members of the"
-            " trainwatch group only")
-
-
-def test_other_user_is_refused_by_the_socket_file(
+def test_other_user_is_kept_out_by_a_closed_run_dir(
     user_python: UserPython, run_dir: str
 ) -> None:
-    """A real user outside the group (socket 0660): the permission line, exit 1."""
+    """A run_dir of mode 0o700 (a non-root trainwatch's): the permission line, exit 1."""
     d = Daemon(run_dir, {"status": _status()})
     try:
+        os.chmod(run_dir, 0o700)
         assert _one_line(_as_user(user_python, "twtest1", "status", "--run-dir", run_dir)) \
-            == _permission_line(run_dir)
+            == (f"trainwatch: permission denied: {run_dir}/control.sock: its folder (run_dir)"
+                " is not open to this user")
         assert d.calls == []
     finally:
         d.stop()
 
 
 def test_other_user_is_refused_by_the_daemon(user_python: UserPython, run_dir: str) -> None:
-    """Through a loosened socket mode, the daemon's SO_PASSCRED refusal: the same line."""
-    d = Daemon(run_dir, dict(REPLIES))
+    """The daemon's refusal of a job not the sender's: its line after the op, exit 1."""
+    u = local_user("twtest1")
+    who = f"uid {u.pw_uid} (twtest1)"
+    d = Daemon(run_dir, {"stop": Refused(f"job llama runs as alice; {who} may act only on "
+                                         "its own jobs")})
     try:
-        os.chmod(control_path(run_dir), 0o666)
-        assert _one_line(_as_user(user_python, "twtest1", "stop", "llama", "--run-dir",
-                                  run_dir)) == _permission_line(run_dir)
-        assert d.calls == []
+        line = _one_line(_as_user(user_python, "twtest1", "stop", "llama", "--run-dir",
+                                  run_dir))
+        assert line == f"trainwatch stop: job llama runs as alice; {who} may act only on " \
+                       "its own jobs"
+        assert [(p.uid, p.admin) for p in d.peers] == [(u.pw_uid, False)]
         assert d.sock.counters.refused == 1
     finally:
         d.stop()
 
 
 def test_member_of_the_group_is_answered(user_python: UserPython, run_dir: str) -> None:
-    """A real non-root user in the socket's group gets the status table."""
+    """A real non-root user in the admin group reaches the daemon as an admin."""
     # The user's own group, made the socket's group here.
     group = grp.getgrgid(local_user("twtest1").pw_gid).gr_name
     d = Daemon(run_dir, {"status": _status()}, group=group)
@@ -426,5 +430,6 @@ def test_member_of_the_group_is_answered(user_python: UserPython, run_dir: str) 
         p = _as_user(user_python, "twtest1", "status", "--run-dir", run_dir)
         assert _ok(p)[2].startswith("llama")
         assert d.calls == [("status", {})]
+        assert [p.admin for p in d.peers] == [True]
     finally:
         d.stop()

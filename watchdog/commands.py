@@ -5,8 +5,9 @@ socket (``trainwatch.control``): ``status``, ``incidents``, ``checkpoints``,
 Each sends one request and prints the reply as a table or one line, or with
 ``--json`` the reply's payload (without ``"ok"``). What goes wrong is one line
 on stderr and exit 1: no daemon, permission denied, or the daemon's own refusal
-(``trainwatch OP: why``); a bad ``--config`` stays a usage error (exit 2, via
-``ConfigError`` in ``cli.main``). ``incidents`` also works without a daemon: it
+(``trainwatch OP: why``, e.g. a job that runs as another user: access.py); a
+bad ``--config`` stays a usage error (exit 2, via ``ConfigError`` in
+``cli.main``). ``incidents`` also works without a daemon: it
 reads the ledger read-only, as it always has.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainwatch.config import ConfigError, default_dirs, load
-from trainwatch.control import GROUP, ControlError, control_path, request
+from trainwatch.control import ControlError, control_path, request
 from trainwatch.evidence import show
 from trainwatch.state.ledger import Ledger
 from trainwatch.tables import (
@@ -87,7 +88,9 @@ def run_dir_of(args: argparse.Namespace) -> str:
 
 
 def _permission(path: str) -> Failed:
-    return Failed(f"permission denied: {path}: root or members of the {GROUP} group only")
+    # The socket is open to every local user (the daemon decides per request);
+    # what keeps one out is the folder it lies in.
+    return Failed(f"permission denied: {path}: its folder (run_dir) is not open to this user")
 
 
 def ask(run_dir: str, op: str, args: dict[str, Any]) -> dict[str, Any]:

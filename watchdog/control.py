@@ -7,13 +7,17 @@ is one datagram ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``
 sent back to the sender's address. The client binds an abstract-namespace
 address for that (``request()`` does).
 
-Who may ask: root, the daemon's own user, and members of the ``trainwatch``
-group. The socket file is mode 0o660 and group-owned by that group when it
-exists, and the kernel attaches the sender's pid, uid and gid to every datagram
-(SO_PASSCRED), which is checked again here: a socket file whose mode was
-loosened does not let anyone else in. Refused, malformed and oversized requests
-are counted and answered with an error when there is an address to answer;
-a handler that raises becomes an error reply, never a crash of the loop.
+Who may ask what is decided per request (access.py): the socket file is mode
+0o666, so every local user reaches it, and the kernel attaches the sender's
+pid, uid and gid to every datagram (SO_PASSCRED). The handler gets that sender
+as an ``access.Peer``: root, the daemon's own user and members of the
+``trainwatch`` group act on every job, anyone else only on the jobs that run
+as them, and a handler raises ``access.Refused`` for the rest. Because anyone
+may send, the cheap checks come first (credentials, size, JSON) and refusals
+are logged at most once per sender per ``_REFUSED_LOG_EVERY`` seconds.
+Refused, malformed and oversized requests are counted and answered with an
+error when there is an address to answer; a handler that raises becomes an
+error reply, never a crash of the loop.
 
 Standard library only.
 """
@@ -22,23 +26,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import grp
 import json
 import logging
 import os
-import pwd
 import secrets
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainwatch.access import GROUP, Peer, Peers, Refused
 from trainwatch.sources.heartbeat import SocketInUse, listening
 
 log = logging.getLogger("trainwatch")
 
-GROUP = "trainwatch"  # the group whose members may use the channel
 MAX_REQUEST = 4096  # bytes of one request datagram
 MAX_REPLY = 65536  # bytes of one reply datagram
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
@@ -48,8 +51,10 @@ _ANC_SIZE = socket.CMSG_SPACE(_CREDS.size)
 _TRUNC = int(socket.MSG_TRUNC)
 _BATCH = 64  # requests per handle() call, so a flood cannot starve the loop
 _ERROR_MAX = 300  # characters of an error line
+_REFUSED_LOG_EVERY = 10.0  # seconds between log lines of one sender's refusals
+_REFUSED_LOG_MAX = 256  # senders whose last refusal line is remembered
 
-Handler = Callable[[str, dict[str, Any]], dict[str, Any]]
+Handler = Callable[[str, dict[str, Any], Peer], dict[str, Any]]
 
 __all__ = [
     "GROUP",
@@ -57,6 +62,8 @@ __all__ = [
     "ControlSocket",
     "Counters",
     "Handler",
+    "Peer",
+    "Refused",
     "SocketInUse",
     "control_path",
     "request",
@@ -70,7 +77,7 @@ class ControlError(Exception):
 @dataclass
 class Counters:
     requests: int = 0  # datagrams received
-    refused: int = 0  # senders without the right to ask
+    refused: int = 0  # requests the sender had no right to make (access.Refused)
     malformed: int = 0  # not a v1 request, or larger than MAX_REQUEST
     failed: int = 0  # the handler raised
     unanswered: int = 0  # replies that could not be sent (no address, gone, queue full)
@@ -105,9 +112,12 @@ def _parse(data: bytes) -> tuple[str, dict[str, Any]]:
 class ControlSocket:
     """The listening end. Register ``fileno()`` with a selector and call
     ``handle()`` when it is readable; each request is answered before
-    ``handle()`` returns."""
+    ``handle()`` returns. Ops in ``quiet`` (reads anyone may flood) are logged
+    at DEBUG, the others at INFO with their sender."""
 
-    def __init__(self, run_dir: str, handler: Handler, *, group: str = GROUP) -> None:
+    def __init__(self, run_dir: str, handler: Handler, *, group: str = GROUP,
+                 quiet: frozenset[str] = frozenset(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path = control_path(run_dir)
         self.handler = handler
         self.counters = Counters()
@@ -115,12 +125,11 @@ class ControlSocket:
             raise ControlError(
                 f"{self.path}: too long for an AF_UNIX socket address ({_MAX_PATH} bytes)"
             )
-        try:
-            self.gid: int | None = grp.getgrnam(group).gr_gid
-        except KeyError:
-            self.gid = None  # no such group: root and the daemon's user only
+        self.peers = Peers(group, clock)
         self.group = group
-        self._uid = os.geteuid()
+        self.quiet = quiet
+        self.clock = clock
+        self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (logged at, since)
         os.makedirs(run_dir, mode=0o755, exist_ok=True)
         if listening(self.path):
             raise SocketInUse(f"{self.path}: another trainwatch is listening here")
@@ -130,14 +139,9 @@ class ControlSocket:
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
             s.bind(self.path)
-            os.chmod(self.path, 0o660)
-            if self.gid is not None:
-                try:
-                    os.chown(self.path, -1, self.gid)
-                except PermissionError:
-                    # A non-root daemon outside the group cannot hand the file to it.
-                    log.warning("control: cannot give %s to group %s; only root and this "
-                                "user can use it", self.path, group)
+            # Every local user may ask about their own jobs: who may do what is
+            # decided per request from the kernel's credentials, not by the file.
+            os.chmod(self.path, 0o666)
             s.setblocking(False)
         except BaseException:
             s.close()
@@ -146,20 +150,6 @@ class ControlSocket:
 
     def fileno(self) -> int:
         return self.sock.fileno()
-
-    def allowed(self, uid: int, gid: int) -> bool:
-        """May a sender with these credentials use the channel?"""
-        if uid in (0, self._uid):
-            return True
-        if self.gid is None:
-            return False
-        if gid == self.gid:
-            return True
-        try:
-            user = pwd.getpwuid(uid).pw_name
-            return self.gid in os.getgrouplist(user, gid)
-        except (KeyError, OSError):  # a uid with no passwd entry has no groups
-            return False
 
     def handle(self) -> int:
         """Answer the pending requests. Returns how many were read. Never raises
@@ -185,11 +175,10 @@ class ControlSocket:
         for level, typ, cdata in anc:
             if level == socket.SOL_SOCKET and typ == socket.SCM_CREDENTIALS:
                 pid, uid, gid = _CREDS.unpack_from(cdata)
-        if pid <= 0 or not self.allowed(uid, gid):
+        if pid <= 0:  # SO_PASSCRED always attaches them; without them, nobody is vouched for
             c.refused += 1
-            log.warning("control: refused a request from pid %d uid %d gid %d", pid, uid, gid)
-            self._reply(addr, {"ok": False, "error": f"not permitted: only root and the "
-                                                     f"{self.group} group may use {self.path}"})
+            self._reply(addr, {"ok": False, "error": "not permitted: a request without "
+                                                     "credentials"})
             return
         if flags & _TRUNC:
             c.malformed += 1
@@ -202,13 +191,19 @@ class ControlSocket:
             c.malformed += 1
             self._reply(addr, {"ok": False, "error": f"malformed request: {e}"})
             return
-        log.info("control: %s %s from pid %d uid %d", op, json.dumps(args, sort_keys=True),
-                 pid, uid)
+        peer = self.peers.peer(pid, uid, gid)
         try:
-            result = self.handler(op, args)
+            result = self.handler(op, args, peer)
             if not isinstance(result, dict):
                 raise TypeError(f"handler returned {type(result).__name__}, not a dict")
             reply = {"ok": True, **{k: v for k, v in result.items() if k != "ok"}}
+            log.log(logging.DEBUG if op in self.quiet else logging.INFO,
+                    "control: %s %s from pid %d %s", op,
+                    json.dumps(args, sort_keys=True, default=str)[:_ERROR_MAX], pid, peer)
+        except Refused as e:
+            c.refused += 1
+            self._log_refusal(peer, op, str(e))
+            reply = {"ok": False, "error": _one_line(f"{op}: {e}")}
         except Exception as e:
             c.failed += 1
             if not isinstance(e, ValueError | LookupError | ControlError):
@@ -216,6 +211,21 @@ class ControlSocket:
             reply = {"ok": False, "error": _one_line(f"{op}: {e}" if str(e) else
                                                      f"{op}: {type(e).__name__}")}
         self._reply(addr, reply)
+
+    def _log_refusal(self, peer: Peer, op: str, why: str) -> None:
+        """One line per sender per _REFUSED_LOG_EVERY seconds, saying how many were
+        refused meanwhile: anyone may send, and a flood must not flood the journal."""
+        now = self.clock()
+        at, since = self._refusals.get(peer.uid, (float("-inf"), 0))
+        if now - at < _REFUSED_LOG_EVERY:
+            self._refusals[peer.uid] = (at, since + 1)
+            return
+        if len(self._refusals) >= _REFUSED_LOG_MAX:
+            self._refusals.clear()
+        self._refusals[peer.uid] = (now, 0)
+        more = f" ({since} more refused since the last line)" if since else ""
+        log.warning("control: refused %s from pid %d %s: %s%s", op, peer.pid, peer,
+                    _one_line(why), more)
 
     def _reply(self, addr: Any, reply: dict[str, Any]) -> None:
         if not addr:  # an unbound sender: nowhere to answer
@@ -264,8 +274,9 @@ def request(run_dir: str, op: str, args: dict[str, Any],
             raise ControlError(f"{path}: nothing is listening (is trainwatch running with "
                                "this run_dir?)") from None
         except PermissionError:
-            raise ControlError(f"{path}: permission denied (only root and the {GROUP} "
-                               "group may use it)") from None
+            # The socket is open to all; its folder (run_dir) is not open to this user.
+            raise ControlError(f"{path}: permission denied (run_dir is not open to this "
+                               "user)") from None
         except BlockingIOError:
             raise ControlError(f"{path}: trainwatch is busy (its queue is full); "
                                "try again") from None

@@ -2,7 +2,12 @@
 (``trainwatch status``, ``incidents``, ``checkpoints``, ``rollback``, ``pause``,
 ``resume``, ``stop``, ``start``, ``reload``; commands.py is the client side).
 Each takes the request's args and returns the reply's payload; a ValueError
-is the one line the client prints."""
+is the one line the client prints. ``answer`` also hands faultinject's
+requests to drillrequests.py.
+
+Who asks is checked first, before any work (access.py): a non-admin sees only
+the jobs that run as them (``status``, ``incidents``), reads and acts only on
+those (``access.Refused`` otherwise), and never reloads the config."""
 
 from __future__ import annotations
 
@@ -12,7 +17,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainwatch import __version__
+from trainwatch import __version__, access, drillrequests
+from trainwatch.access import Peer
 from trainwatch.actions import prune, rollback
 from trainwatch.actions.launch import launch
 from trainwatch.policy import RestartHistory
@@ -27,17 +33,24 @@ log = logging.getLogger("trainwatch")
 
 OPS = frozenset({"status", "incidents", "checkpoints", "rollback", "pause", "resume", "stop",
                  "start", "reload"})
+READS = frozenset({"status", "incidents", "checkpoints"})  # change nothing
 _INCIDENTS_MAX = 200  # rows in one reply (a datagram of at most 64 KiB)
 
 
-def answer(sup: Supervisor, op: str, args: dict[str, Any]) -> dict[str, Any]:
+def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    """The reply to one request from ``peer``; raises access.Refused before any
+    work when the request is not theirs to make."""
+    if op not in OPS:
+        return drillrequests.answer(sup, op, args, peer)
     if op == "status":
-        return status(sup)
+        return status(sup, peer)
     if op == "incidents":
-        return incidents(sup, args)
+        return incidents(sup, args, peer)
     if op == "reload":
+        access.admin_only(peer, "reload")
         return sup.reload()
-    r = _runner(sup, args)
+    r = _runner(sup, args, peer)
+    access.check(peer, r.job.name, r.job.user, act=op not in READS)
     if op == "checkpoints":
         return retention_plan(r) if args.get("plan") else checkpoints(r)
     if op == "rollback":
@@ -75,22 +88,31 @@ def start(r: JobRunner) -> None:
     launch(r, "operator: trainwatch start")
 
 
-def _runner(sup: Supervisor, args: dict[str, Any]) -> JobRunner:
+def _runner(sup: Supervisor, args: dict[str, Any], peer: Peer) -> JobRunner:
     name = args.get("job")
     for r in sup.runners:
         if r.job.name == name:
             return r
-    known = ", ".join(r.job.name for r in sup.runners) or "none"
+    known = ", ".join(_visible(sup, peer)) or "none"
     raise ValueError(f"no job named {name!r} here (jobs: {known})")
 
 
-def status(sup: Supervisor) -> dict[str, Any]:
+def _visible(sup: Supervisor, peer: Peer) -> list[str]:
+    """The names of the jobs this sender may see."""
+    return access.mine(peer, ((r.job.name, r.job.user) for r in sup.runners))
+
+
+def status(sup: Supervisor, peer: Peer) -> dict[str, Any]:
     now, wall = time.monotonic(), time.time()
     jobs = []
     last = {}
-    for row in sup.ledger.incidents():
+    runners = sup.runners if peer.admin else [r for r in sup.runners
+                                              if access.may(peer, r.job.user)]
+    # Another user's request reads the ledger of its own jobs only (or not at all).
+    for row in (sup.ledger.incidents() if peer.admin else
+                [row for r in runners for row in sup.ledger.incidents(r.job.name)[-1:]]):
         last[row["job"]] = row
-    for r in sup.runners:
+    for r in runners:
         a = r.attempt
         beats = [v.last_beat for v in r.ranks.snapshot(now, 1 << 30).ranks]
         intervals = list(r.ranks.intervals)[-64:]
@@ -115,13 +137,25 @@ def status(sup: Supervisor) -> dict[str, Any]:
                                      "config": sup.config.source}}
 
 
-def incidents(sup: Supervisor, args: dict[str, Any]) -> dict[str, Any]:
+def incidents(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
     job, limit = args.get("job"), args.get("limit", 50)
     if job is not None and not isinstance(job, str):
         raise ValueError(f"expected a job name, got {job!r}")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
         raise ValueError(f"expected a positive limit, got {limit!r}")
-    rows = sup.ledger.incidents(job)[-min(limit, _INCIDENTS_MAX):]
+    limit = min(limit, _INCIDENTS_MAX)
+    if peer.admin:
+        rows = sup.ledger.incidents(job)[-limit:]
+    elif job is not None:
+        # Another user reads the incidents of a job of this config that runs as them;
+        # a job removed from it has no owner to check against.
+        r = _runner(sup, {"job": job}, peer)
+        access.check(peer, r.job.name, r.job.user, act=False)
+        rows = sup.ledger.incidents(job)[-limit:]
+    else:
+        rows = sorted((row for name in _visible(sup, peer)
+                       for row in sup.ledger.incidents(name)[-limit:]),
+                      key=lambda row: int(row["id"]))[-limit:]
     for row in rows:  # evidence can be long: the reply must fit one datagram
         row["evidence"] = {k: str(v)[:200] for k, v in list(row["evidence"].items())[:16]}
     return {"incidents": rows}

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from trainwatch import anomalies, operations
+from trainwatch import operations
+from trainwatch.access import Peer
 from trainwatch.actions import credentials, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.control import ControlSocket
@@ -108,10 +109,11 @@ class Supervisor:
             if isinstance(e, ownership.UnsafeDir):
                 raise ConfigError(e.strerror or str(e)) from None
             raise ConfigError(f"{e}: is job {j.name!r} already supervised?") from None
-        # The drills' way in (faultinject gpu-xid ...): root or the trainwatch group.
+        # Operator commands and drills; each request authorised from its sender (access.py).
         self.control: ControlSocket | None = None
         try:
-            self.control = ControlSocket(config.run_dir, self._on_control)
+            self.control = ControlSocket(config.run_dir, self._on_control,
+                                         quiet=operations.READS)
             self.sel.register(self.control, selectors.EVENT_READ,
                               lambda _fd: self.control and self.control.handle())
         except (SocketInUse, OSError) as e:
@@ -224,55 +226,10 @@ class Supervisor:
         self.stop_signal = signum
         self.wake()
 
-    def _on_control(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
-        """An operator's command (operations.py), or a drill from faultinject,
-        handled exactly like the real fault."""
-        if op in operations.OPS:
-            return operations.answer(self, op, args)
-        if op == "drill":  # a crash or hang faultinject is about to inject, or a loss drill
-            return self._on_drill(args)
-        if self.gpus is None:
-            raise ValueError("GPU monitoring is off (gpu.backend: off)")
-        gpu = args.get("gpu")
-        if not isinstance(gpu, int) or isinstance(gpu, bool):
-            raise ValueError(f"expected a GPU index, got {gpu!r}")
-        if op == "gpu-xid":
-            xid = args.get("xid")
-            if not isinstance(xid, int) or isinstance(xid, bool) or xid <= 0:
-                raise ValueError(f"expected an Xid number, got {xid!r}")
-            self.gpus.inject_xid(gpu, xid, str(args.get("message") or ""))
-        elif op == "gpu-clear":  # the operator: this GPU is fine again
-            if gpu not in self.gpus.health.excluded():
-                raise ValueError(f"GPU {gpu} is not excluded")
-            self.gpus.clear(gpu)
-            log.warning("GPU %d cleared by the operator: back in service", gpu)
-            return {"cleared": gpu}
-        elif op in ("gpu-lost", "ecc", "thermal"):
-            self.gpus.inject(op.removeprefix("gpu-"), gpu, bool(args.get("uncorrected")))
-        else:
-            raise ValueError(f"unknown op {op!r}")
-        return {"injected": op, "gpu": gpu}
-
-    def _on_drill(self, args: dict[str, Any]) -> dict[str, Any]:
-        """A crash or hang faultinject is about to inject (noted, so that the fault
-        is marked injected), or a loss drill, injected into the job's loss feed."""
-        job, kind, pids = args.get("job"), args.get("kind"), args.get("pids", [])
-        if kind in ("nan", "grad-spike"):
-            for r in self.runners:
-                if r.job.name == job:
-                    return anomalies.inject(r, kind, args.get("scale"), args.get("steps"))
-            raise ValueError(f"no job named {job!r} here")
-        if kind not in ("crash", "hang", "nccl_stall", "log_line"):
-            raise ValueError("expected kind crash, hang, nccl_stall, log_line, nan or "
-                             f"grad-spike, got {kind!r}")
-        if not isinstance(pids, list) or not all(
-                isinstance(p, int) and not isinstance(p, bool) for p in pids):
-            raise ValueError("expected pids as a list of integers")
-        for r in self.runners:
-            if r.job.name == job:
-                r.expect_drill(kind, pids)
-                return {"job": job, "kind": kind}
-        raise ValueError(f"no job named {job!r} here")
+    def _on_control(self, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+        """An operator's command (operations.py) or a drill from faultinject
+        (drillrequests.py), from ``peer``: authorised there, per request."""
+        return operations.answer(self, op, args, peer)
 
     def reap_strays(self) -> None:
         """As a subreaper we inherit orphans that left the job's session; reap
