@@ -11,6 +11,7 @@ and a refusal, never a hang or a traceback. Duplicate keys are refused too
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,12 @@ def read(path: str | os.PathLike[str], as_text: Sequence[Pattern] = ()) -> objec
     matching one of ``as_text`` (e.g. ``("jobs", "*", "command", "*")``) are
     kept as the text the user wrote: ``3`` is ``"3"``, ``0x10`` is ``"0x10"``."""
     text = _text(Path(path))
-    loader = _Loader(text)
+    try:
+        # The loader's constructor already reads the whole text and refuses a NUL or
+        # another control character (ReaderError): that too is one line, not a traceback.
+        loader = _Loader(text)
+    except yaml.YAMLError as e:
+        raise DocumentError(_said(e, text)) from None
     try:
         try:
             node = loader.get_single_node()
@@ -48,7 +54,7 @@ def read(path: str | os.PathLike[str], as_text: Sequence[Pattern] = ()) -> objec
                 _mark_text(node, tuple(pattern))
             return loader.construct_document(node)
         except yaml.YAMLError as e:
-            raise DocumentError(_said(e)) from None
+            raise DocumentError(_said(e, text)) from None
         except RecursionError:  # a guard above missed a way to nest: still one line
             raise DocumentError(f"expected nesting at most {MAX_DEPTH} deep, got deeper") from None
     finally:
@@ -56,16 +62,29 @@ def read(path: str | os.PathLike[str], as_text: Sequence[Pattern] = ()) -> objec
 
 
 def _text(p: Path) -> str:
+    # O_NONBLOCK: opening a FIFO waits for a writer otherwise; nothing but a regular
+    # file is read (a FIFO, a device such as /dev/zero, a folder), and its size is
+    # judged before a byte of it is read.
     try:
-        with p.open("rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as e:
         raise DocumentError(f"cannot read: {e.strerror or e}") from None
     except ValueError as e:  # a NUL byte in the path
         raise DocumentError(f"cannot read: {e}") from None
-    if len(data) > MAX_BYTES:
-        raise DocumentError(f"expected a config file of at most 1 MiB ({MAX_BYTES} bytes),"
-                            " got a larger one")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DocumentError(f"expected a regular file, got {_kind(st.st_mode)}")
+        if st.st_size > MAX_BYTES:
+            raise DocumentError(_TOO_BIG)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise DocumentError(f"cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:  # it grew since fstat
+        raise DocumentError(_TOO_BIG)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -74,7 +93,26 @@ def _text(p: Path) -> str:
         ) from None
 
 
-def _said(e: yaml.YAMLError) -> str:
+_TOO_BIG = f"expected a config file of at most 1 MiB ({MAX_BYTES} bytes), got a larger one"
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _said(e: yaml.YAMLError, text: str) -> str:
+    if isinstance(e, yaml.reader.ReaderError):  # a character YAML does not allow
+        at = min(max(e.position, 0), len(text))
+        line = text.count("\n", 0, at) + 1
+        column = at - (text.rfind("\n", 0, at) + 1) + 1
+        what = "a NUL byte" if e.character == 0 else f"the character {chr(e.character)!r}"
+        return (f"line {line}, column {column}: expected text without control characters"
+                f" (YAML allows none), got {what}")
     mark = getattr(e, "problem_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "top level"
     if isinstance(e, _Refused):
