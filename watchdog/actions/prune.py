@@ -4,7 +4,8 @@ below ``min_free_bytes``, the plan is made from the catalog's verdicts and its
 deletions done one by one, each a ledger row and a count. Never while the job
 is observed only or paused by the operator, never without a rule.
 
-trainwatch snapshots (layout trainwatch): with no rule in the job's config,
+trainwatch snapshots (``snapshot-N`` folders, under layout trainwatch or
+auto): with no rule in the job's config,
 the newest good snapshot's ``keep`` (the Snapshotter's, which never deletes
 under trainwatch: only the daemon knows the last good one) is the rule, as
 ``keep.last``; after deleting snapshot folders the content store's chunks that
@@ -13,6 +14,7 @@ no folder links any more are collected (trainwatch.snapshot.blobs)."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -37,10 +39,13 @@ def keep_rule(r: JobRunner) -> Keep:
     """The job's ``checkpoints.keep``; without a rule, for trainwatch snapshots,
     the newest good snapshot's ``keep`` as ``last`` (pinned steps still hold)."""
     keep = r.job.checkpoints.keep
-    if keep.deletes or r.catalog.layout.name != "trainwatch":
+    if keep.deletes:
         return keep
     good = r.catalog.last_good(fresh=False)
-    if good is None:
+    # By the folder, not the layout's name: under ``auto`` a first run's reports
+    # of snapshot-N are taken by a learned generic pattern until a listing
+    # recognises the layout (up to a minute), and keep must hold from the first.
+    if good is None or snapshot_format.step_of(good.path) is None:
         return keep
     seen = _snapshot_keep.get(r.job.name)
     if seen is None or seen[0] != good.path:
@@ -94,7 +99,7 @@ def after_refresh(r: JobRunner) -> None:
         else:
             log.warning("job %s: retention could not delete checkpoint step %d: %s",
                         r.job.name, c.step, why)
-    if snapshots and r.catalog.layout.name == "trainwatch":
+    if snapshots and os.path.isdir(os.path.join(root, blobs.STORE)):
         _collect(r, root)
 
 
