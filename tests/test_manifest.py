@@ -256,6 +256,46 @@ def test_a_checkpoint_corrupted_after_its_manifest_fails_verification(
     assert verifier.counts()["mismatches"] == 1
 
 
+class _PausedPut(Store):
+    """A store whose worker pauses just after a manifest is stored (before the
+    make is finished), the moment a busy machine may deschedule it."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__(folder)
+        self.stored = threading.Event()
+        self.go = threading.Event()
+
+    def put(self, m: Manifest) -> None:
+        super().put(m)
+        self.stored.set()
+        self.go.wait(30)
+
+
+def test_a_verify_after_the_manifest_is_stored_checks_it_not_the_make_in_flight(
+        tmp_path: Path) -> None:
+    """A verify that starts once the manifest is visible checks the files against it, even
+    while the worker is still finishing that make: a corruption made since is caught."""
+    store = _PausedPut(tmp_path / "m")
+    v = Verifier(store, chunk=256 << 10)
+    try:
+        d = ckpt(tmp_path, big=2 * MB)
+        v.submit(10, str(d))
+        assert store.stored.wait(30) and store.get(10) is not None
+        with open(d / "weights.bin", "r+b") as f:
+            f.write(b"\0\1\2")
+        got: list[object] = []
+        t = threading.Thread(target=lambda: got.append(v.verify(10, str(d), timeout=60)))
+        t.start()
+        # Joining the make in flight would take its verdict, from bytes read before.
+        wait_for(lambda: v.counts()["pending"] == 1, 30, "the verify queued as a check")
+        store.go.set()
+        t.join(60)
+        assert got == [(False, "weights.bin: content changed")]
+    finally:
+        store.go.set()
+        v.close()
+
+
 def test_verify_waits_only_for_the_checkpoint_it_asks_about(tmp_path: Path,
                                                             verifier: Verifier) -> None:
     """Eight 512 MB checkpoints submitted first do not delay the verify of a small one,

@@ -18,8 +18,10 @@ Semantics:
   verifier closed, or the manifest's hash is not installed here.
 - A verify goes before every pending submission and pre-empts one being hashed
   (which is requeued first in line); a verify that finds the manifest of its
-  checkpoint being made waits for it instead. When its caller stops waiting, a
-  check nobody waits for is abandoned; a manifest being made is finished.
+  checkpoint being hashed waits for it instead (once hashed, before it is
+  stored, a verify queues a check against it: the files may have changed
+  since). When its caller stops waiting, a check nobody waits for is
+  abandoned; a manifest being made is finished.
 - The worker survives anything (an OSError when a checkpoint is deleted while
   hashed is counted in ``errors``), holds one read buffer, and is one thread.
 """
@@ -35,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainwatch.config import Checkpoints
-from trainwatch.state import statewrites
+from trainwatch.privsep.hand import Hand, HandError
+from trainwatch.state import handhash, statewrites
 from trainwatch.state.manifest import CHUNK, Stopped, Store, check, make
 
 log = logging.getLogger("trainwatch")
@@ -60,8 +63,12 @@ class _Job:
 
 class Verifier:
     def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic, *,
-                 max_pending: int = MAX_PENDING, chunk: int = CHUNK) -> None:
+                 max_pending: int = MAX_PENDING, chunk: int = CHUNK,
+                 hand: Hand | None = None) -> None:
+        """``hand``: the job's (privsep), where its files are read; without one,
+        in this process."""
         self.store = store
+        self.hand = hand
         self.clock = clock
         self.max_pending = max_pending
         self.chunk = chunk
@@ -185,6 +192,10 @@ class Verifier:
                 result = self._one(job)
             except Stopped:
                 result = self._stopped(job)
+            except HandError as e:  # no answer (a read that blocked): no verdict
+                self._count("errors")
+                log.warning("checkpoint %s (step %d): no manifest: %s", job.path, job.step, e)
+                result = (None, f"no verdict: {e}")
             except OSError as e:  # deleted, unreadable, still being written
                 self._count("errors")
                 log.warning("checkpoint %s (step %d): cannot make its manifest: %s",
@@ -233,7 +244,9 @@ class Verifier:
             if not job.urgent:
                 return True, "manifest exists"
             try:
-                why = check(m, chunk=self.chunk, should_stop=lambda: self._should_stop(job))
+                why = (check(m, chunk=self.chunk, should_stop=lambda: self._should_stop(job))
+                       if self.hand is None else
+                       handhash.check(self.hand, m, self.chunk, lambda: self._should_stop(job)))
             except ValueError as e:  # its hash algorithm is not installed here
                 return None, str(e)
             self.last_seconds = self.clock() - t0
@@ -246,11 +259,19 @@ class Verifier:
             return True, "verified"
         with self._cond:
             job.making = True
-        m = make(job.step, job.path, chunk=self.chunk, should_stop=lambda: self._should_stop(job),
-                 known=self.known)
+        if self.hand is None:
+            m = make(job.step, job.path, chunk=self.chunk,
+                     should_stop=lambda: self._should_stop(job), known=self.known)
+        else:
+            m = handhash.make(self.hand, job.step, job.path, self.chunk,
+                              lambda: self._should_stop(job))
         while len(self.known) > KNOWN_MAX:
             self.known.popitem(last=False)
         self.last_seconds = self.clock() - t0
+        with self._cond:
+            # Hashed: a verify from now on (it may see the manifest stored) checks the
+            # files against it, not take this verdict from bytes read before it asked.
+            job.making = False
         try:
             self.store.put(m)
         except OSError as e:
@@ -262,9 +283,10 @@ class Verifier:
         return True, "manifest made now"
 
 
-def for_job(spec: Checkpoints, job_dir: Path) -> Verifier | None:
+def for_job(spec: Checkpoints, job_dir: Path, hand: Hand | None = None) -> Verifier | None:
     """The verifier of a job's checkpoints (``checkpoints.verify``), its manifests
-    in ``<job_dir>/manifests``; None when off or without a checkpoint folder."""
+    in ``<job_dir>/manifests``, its files read in ``hand``; None when off or
+    without a checkpoint folder."""
     if not spec.verify or spec.dir is None:
         return None
-    return Verifier(Store(job_dir / "manifests"))
+    return Verifier(Store(job_dir / "manifests"), hand=hand)
