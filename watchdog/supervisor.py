@@ -20,7 +20,7 @@ from typing import Any
 
 from trainwatch import operations
 from trainwatch.access import Peer
-from trainwatch.actions import credentials, tree
+from trainwatch.actions import credentials, jobenv, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.control import ControlSocket
 from trainwatch.export.metrics import Exporter
@@ -137,7 +137,7 @@ class Supervisor:
         self._removing: list[JobRunner] = []  # removed by a reload, being stopped
 
     def check_job(self, j: Job) -> None:
-        check_command(j)
+        check_command(j, foreground=self.die_with_parent)
 
     def _runner(self, config: Config, j: Job) -> JobRunner:
         return JobRunner(config, j, self.ledger, self.sel, self.passthrough, self.clock,
@@ -342,7 +342,7 @@ class Supervisor:
         os.umask(self.job_umask)
 
 
-def check_command(job: Job) -> None:
+def check_command(job: Job, foreground: bool = True) -> None:
     """A missing program, workdir or user is the user's mistake: say so before
     anything starts (in the daemon, before any other job is launched)."""
     if job.workdir is not None and not os.path.isdir(job.workdir):
@@ -358,7 +358,7 @@ def check_command(job: Job) -> None:
         where, said = ("user", job.user) if job.user is not None else ("group", job.group)
         raise ConfigError(f"jobs.{job.name}.{where}: cannot resolve {said!r}: {e}") from None
     prog = job.command[0]
-    env_path = job.env.get("PATH", os.environ.get("PATH", os.defpath))
+    env_path = jobenv.path(job, foreground)  # the PATH the job gets
     if "/" in prog:
         found = os.path.join(job.workdir or os.getcwd(), prog)
         ok = os.path.isfile(found) and os.access(found, os.X_OK)
@@ -366,4 +366,5 @@ def check_command(job: Job) -> None:
         ok = shutil.which(prog, path=env_path) is not None
     if not ok:
         raise ConfigError(f"jobs.{job.name}.command: {prog}: cannot start: "
-                          "No such file or directory (or not executable)")
+                          "No such file or directory (or not executable)"
+                          + ("" if "/" in prog else f" in the job's PATH {env_path}"))

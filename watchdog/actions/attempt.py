@@ -3,7 +3,7 @@
 The job is started by its keeper (keeper.py, kept.py), a small parent of its
 own, in a session of its own, in its own cgroup where we may create one
 (tree.py, cgroup.py), with the credentials of its user and group
-(credentials.py) and the environment of DESIGN.md. Its stdout and stderr go
+(credentials.py) and the environment of DESIGN.md (jobenv.py). Its stdout and stderr go
 straight to a per-attempt log file in ``state_dir``, never through a pipe to
 trainwatch: the job outlives trainwatch, and its output keeps flowing while
 trainwatch is down. ``trainwatch run`` follows the file to its own stdout
@@ -20,17 +20,15 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 from trainwatch.actions import credentials, kept, passthrough
 from trainwatch.actions.cgroup import AttemptCgroup
 from trainwatch.actions.credentials import Identity
+from trainwatch.actions.jobenv import job_argv, job_env
 from trainwatch.actions.logfollow import LogFollower
 from trainwatch.actions.tree import JobTree
 from trainwatch.config import Job
-from trainwatch.service import SERVICE_ENV
-from trainwatch.sources import ring
 from trainwatch.state import statewrites
 from trainwatch.state.ownership import set_mode
 
@@ -82,47 +80,6 @@ done
 _stood_down: list[int] = []
 
 
-def job_env(
-    job: Job, socket: str, attempt: int, resume_from: str | None, base: Mapping[str, str],
-    gpus: list[int] | None = None, ident: Identity | None = None,
-    ring_dir: str | None = None, skip: tuple[int, int] | None = None,
-) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in SERVICE_ENV}  # systemd's, not the job's
-    credentials.env_for(ident, env, job.env)
-    env.update(job.env)
-    env["TRAINWATCH_SOCKET"] = socket
-    env["TRAINWATCH_JOB"] = job.name
-    env["TRAINWATCH_ATTEMPT"] = str(attempt)
-    # A value inherited from our own environment must not leak into a fresh start.
-    env.pop("TRAINWATCH_RESUME_FROM", None)
-    env.pop("TRAINWATCH_SKIP_STEPS", None)
-    env.pop(ring.ENV, None)
-    if ring_dir is not None:
-        env[ring.ENV] = ring_dir
-    if skip is not None:  # after a rollback past a loss anomaly: its steps' data
-        env["TRAINWATCH_SKIP_STEPS"] = f"{skip[0]}:{skip[1]}"
-    if resume_from is not None:
-        env["TRAINWATCH_RESUME_FROM"] = resume_from
-    if gpus is not None:
-        # NVML numbers GPUs in PCI bus order; make CUDA number them the same way.
-        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        env["TRAINWATCH_NUM_GPUS"] = str(len(gpus))
-    return env
-
-
-def job_argv(job: Job, resume_from: str | None, gpus: list[int] | None = None) -> list[str]:
-    """The command; {num_gpus} in it becomes the number of GPUs the attempt gets
-    (e.g. torchrun --nproc-per-node={num_gpus}), so that the job learns its new
-    world size after a GPU is excluded."""
-    argv = list(job.command)
-    if gpus is not None:
-        argv = [a.replace("{num_gpus}", str(len(gpus))) for a in argv]
-    if resume_from is not None:
-        argv += [a.replace("{checkpoint}", resume_from) for a in job.resume_args]
-    return argv
-
-
 def ring_dir(socket: str, job: str, number: int) -> str:
     """Beside the heartbeat socket and the exit file, in run_dir."""
     return os.path.join(os.path.dirname(socket), f"{job}.attempt-{number}.rings")
@@ -144,6 +101,7 @@ class Attempt:
         die_with_parent: bool = False,
         umask: int = -1,
         skip: tuple[int, int] | None = None,
+        foreground: bool = False,
     ) -> None:
         self._common(job, number, resume_from, resumed_step, gpus)
         ident = credentials.resolve(job.user, job.group)
@@ -157,7 +115,7 @@ class Attempt:
         if not self._make_ring_dir(ident):
             self.ring_dir = None
         env = job_env(job, socket, number, resume_from, os.environ, gpus, ident, self.ring_dir,
-                      skip)
+                      skip, foreground)
         drop = ident is not None and os.geteuid() == 0  # as credentials.child_setup decides
         spec = {
             "argv": job_argv(job, resume_from, gpus), "env": env, "cwd": job.workdir,

@@ -20,7 +20,7 @@ import errno
 import grp
 import os
 import pwd
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainwatch.config.fields import numeric_id
@@ -74,15 +74,6 @@ def resolve(user: str | None, group: str | None) -> Identity | None:
 
 def _is_ours(ident: Identity) -> bool:
     return ident.uid == os.geteuid() and ident.gid == os.getegid()
-
-
-def env_for(ident: Identity | None, env: dict[str, str], job_env: Mapping[str, str]) -> None:
-    """HOME, USER and LOGNAME of the job's user, unless the job's env sets them."""
-    if ident is None or ident.name is None:
-        return
-    for key, value in (("HOME", ident.home), ("USER", ident.name), ("LOGNAME", ident.name)):
-        if key not in job_env and value is not None:
-            env[key] = value
 
 
 _prctl: Callable[..., int] | None = None

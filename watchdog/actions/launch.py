@@ -82,6 +82,8 @@ def launch(r: JobRunner, reason: str) -> None:
             die_with_parent=r.die_with_parent,
             umask=r.umask,
             skip=r.skip[:2] if r.skip else None,
+            # trainwatch run (the job dies with it): its user's environment (jobenv.py)
+            foreground=r.die_with_parent,
         )
     except (OSError, KeyError) as e:  # KeyError: no such user
         why = f"no such user {r.job.user!r}"

@@ -199,7 +199,8 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
     said = raw.get("name") if isinstance(raw, dict) else None
     usable = isinstance(said, str) and fields.NAME_RE.match(said) and said not in seen
     m = r.mapping(raw, f"jobs.{said}" if usable else f"jobs[{i}]", {
-        "name", "command", "workdir", "user", "group", "env", "resume_args", "checkpoints",
+        "name", "command", "workdir", "user", "group", "env", "env_passthrough", "resume_args",
+        "checkpoints",
         "heartbeat", "policy", "gpus", "anomalies", "logs", "stall", "evidence",
     })
     if not m:
@@ -222,6 +223,12 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         raise r.fail(f"{path}.resume_args", "an argument containing {checkpoint}",
                      list(resume_args))
     env = _env(r, m.get("env"), f"{path}.env")
+    raw_pass = m.get("env_passthrough")
+    passthrough = () if raw_pass is None else r.arguments(
+        raw_pass, f"{path}.env_passthrough", "a list of variable names")
+    for k in passthrough:
+        if not k or "=" in k:
+            raise r.fail(f"{path}.env_passthrough", "variable names without '='", k)
     _check_exec_size(r, path, command, resume_args, env)
 
     checkpoints = sections.checkpoints(r, m.get("checkpoints"), f"{path}.checkpoints")
@@ -255,6 +262,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         user=r.get(m, "user", path, fields.USER, None),
         group=r.get(m, "group", path, fields.GROUP, None),
         env=env,
+        env_passthrough=passthrough,
         resume_args=resume_args,
         checkpoints=checkpoints,
         heartbeat=heartbeat,

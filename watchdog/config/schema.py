@@ -158,6 +158,9 @@ class Job:
     workdir: str | None = None
     user: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    # Variables of the daemon's environment a daemon job gets too (it starts from
+    # a clean one: actions/jobenv.py); `env` wins.
+    env_passthrough: tuple[str, ...] = ()
     resume_args: tuple[str, ...] = ()
     checkpoints: Checkpoints = field(default_factory=Checkpoints)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
