@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from trainwatch import adopt, anomalies, exits, logwatch, respond, stallwatch
+from trainwatch import adopt, anomalies, exits, logwatch, refusals, respond, stallwatch
 from trainwatch.actions import credentials, prune
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
@@ -43,6 +43,7 @@ from trainwatch.gpuwatch import GpuWatch
 from trainwatch.intake import Intake
 from trainwatch.logwatch import LogWatch
 from trainwatch.policy import RestartHistory, XidHistory
+from trainwatch.privsep import jobhands
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime, verifier
 from trainwatch.state.catalog import Catalog, Summary
@@ -100,9 +101,13 @@ class JobRunner:
         self.rng = rng or random.Random()
         self.dir = status.job_dir(config.state_dir, job.name)
         owner = job.checkpoints.dir or " ".join(job.command)
+        # Its folders are read and changed as its user, in processes of their own.
+        self.hands = jobhands.for_job(job.name, credentials.resolve(job.user, job.group))
         self.catalog = Catalog(job.checkpoints, self.dir / "catalog.json",
                                owner=f"{owner}|{job.checkpoints.pattern}",
-                               verifier=verifier.for_job(job.checkpoints, self.dir))
+                               verifier=verifier.for_job(job.checkpoints, self.dir,
+                                                         self.hands.bulk),
+                               hand=self.hands.quick)
         self.history = RestartHistory()
         self.state: JobState | None = None
         self.attempt: Attempt | None = None
@@ -127,7 +132,7 @@ class JobRunner:
         self.restarts = 0  # relaunches, every attempt after the first
         self.drill: DrillNotice | None = None
         self.exit_handled = -1  # the attempt whose leader's exit has been acted on
-        self.reports_refused = 0  # checkpoint reports outside checkpoints.dir
+        self.refused = refusals.Refusals()  # checkpoint reports the catalog refused
         self.over_cap_before = 0  # beats of ranks beyond the cap, in earlier attempts
         self.output_dropped_before = 0  # bytes of output lost by earlier attempts
         self.published_step: int | None = None
@@ -233,12 +238,7 @@ class JobRunner:
         health = self.anomalies.health() if live else None
         if not self.catalog.report(obs.step, obs.path, replaces_quarantined=live,
                                    health=health):
-            self.reports_refused += 1
-            if self.reports_refused == 1:
-                log.warning("job %s: refused a checkpoint report (outside %s, not named "
-                            "by its layout with this step, or of a quarantined step from "
-                            "an attempt being stopped): step %d, %.200s", self.job.name,
-                            self.job.checkpoints.dir, obs.step, obs.path)
+            refusals.refused(self, obs)  # counted by reason, the first of each said
             return
         self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
         log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step, obs.path)
@@ -406,6 +406,7 @@ class JobRunner:
         if self.logwatch is not None:
             self.logwatch.close()
         self.catalog.close()
+        self.hands.close()
 
     def goodput(self, now: float) -> float | None:
         """1 - seconds lost to faults / seconds supervised; None before the first launch."""

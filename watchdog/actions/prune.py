@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from trainwatch.privsep.hand import HandError
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot import format as snapshot_format
 from trainwatch.state import retention
@@ -28,6 +31,36 @@ if TYPE_CHECKING:
     from trainwatch.job import JobRunner
 
 log = logging.getLogger("trainwatch")
+
+# Retention's work in the job's folder is done in its hand, as its user (privsep):
+# a deletion or a collection that takes longer than this is given up (and the
+# loop goes on), the next refresh tries again.
+HAND_TIMEOUT = 30.0
+
+
+def _in_hand(r: JobRunner, fn: Callable[[str], int | None], path: str) -> int | None:
+    """A size or free space, read as the job's user; None when it cannot be."""
+    try:
+        got = r.hands.quick.call(fn, path, timeout=HAND_TIMEOUT)
+    except HandError:
+        return None
+    return got if isinstance(got, int) else None
+
+
+def collect_in_hand(root: str) -> dict[str, int] | None:
+    """In the hand: the store's GC, when ``root/blobs`` is a folder (not a link)."""
+    try:
+        st = os.lstat(os.path.join(root, blobs.STORE))
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    return blobs.collect(root)
+
+
+def snapshot_keep(path: str) -> int | None:
+    """In the hand: the Snapshotter's ``keep`` written in the snapshot at ``path``."""
+    return snapshot_format.read(path).keep
 
 
 # job -> (the newest good snapshot's path, its keep): read once per snapshot, not
@@ -50,8 +83,9 @@ def keep_rule(r: JobRunner) -> Keep:
     seen = _snapshot_keep.get(r.job.name)
     if seen is None or seen[0] != good.path:
         try:
-            last = snapshot_format.read(good.path).keep
-        except ValueError:
+            got = r.hands.quick.call(snapshot_keep, good.path, timeout=HAND_TIMEOUT)
+            last = got if isinstance(got, int) and got > 0 else None
+        except HandError:
             return keep  # good a moment ago, unreadable now: the next refresh judges it
         if last is not None and (seen is None or seen[1] != last):
             log.info("job %s: no checkpoints.keep rule: keeping the newest %d good snapshots "
@@ -64,9 +98,10 @@ def plan(r: JobRunner, listed: bool = True) -> Plan:
     """What retention would delete now, and why each other checkpoint stays."""
     keep, root = keep_rule(r), r.catalog.spec.dir
     entries = r.catalog.entries() if listed else r.catalog.known()
-    free = retention.free_bytes(root) if root else None
+    free = _in_hand(r, retention.free_bytes, root) if root else None
     sized = keep.min_free_bytes is not None and free is not None and free < keep.min_free_bytes
-    cands = [retention.candidate(e, retention.size_of(e.path) if sized else 0) for e in entries]
+    cands = [retention.candidate(e, (_in_hand(r, retention.size_of, e.path) or 0) if sized
+                                 else 0) for e in entries]
     a = r.attempt
     live = a is not None and r.state in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
     return retention.plan(cands, keep, resumed_from=a.resumed_step if live and a else None,
@@ -80,7 +115,8 @@ def after_refresh(r: JobRunner) -> None:
         return
     good = r.checkpoints.last_good
     low = keep.min_free_bytes is not None and (
-        (free := retention.free_bytes(root)) is not None and free < keep.min_free_bytes)
+        (free := _in_hand(r, retention.free_bytes, root)) is not None
+        and free < keep.min_free_bytes)
     step = good.step if good is not None else None
     if step == r.catalog.pruned_at and not low:
         return
@@ -88,7 +124,10 @@ def after_refresh(r: JobRunner) -> None:
     p = plan(r, listed=False)
     snapshots = 0
     for c in p.delete:
-        why = retention.delete(c, root=root)
+        try:
+            why = r.hands.quick.call(retention.delete, c, root=root, timeout=HAND_TIMEOUT)
+        except HandError as e:
+            why = f"{c.path}: no answer as the job's user: {e}"
         r.ledger.deletion(r.job.name, max(r.number, 0), c.step, c.path, c.size or None, why)
         r.events.deletions.labels(r.job.name, "deleted" if why is None else "failed").inc()
         if why is None:
@@ -99,18 +138,20 @@ def after_refresh(r: JobRunner) -> None:
         else:
             log.warning("job %s: retention could not delete checkpoint step %d: %s",
                         r.job.name, c.step, why)
-    if snapshots and os.path.isdir(os.path.join(root, blobs.STORE)):
+    if snapshots:
         _collect(r, root)
 
 
 def _collect(r: JobRunner, root: str) -> None:
     """The store's chunks that no snapshot (or live save) links any more."""
     try:
-        got = blobs.collect(root)
-    except OSError as e:  # survived: the next deletion collects again
+        got = r.hands.quick.call(collect_in_hand, root, timeout=HAND_TIMEOUT)
+    except HandError as e:  # survived: the next deletion collects again
         log.warning("job %s: collecting unreferenced snapshot chunks in %s failed: %s",
-                    r.job.name, root, e.strerror or e)
+                    r.job.name, root, e)
         return
-    if got["blobs"] or got["folders"]:
+    if not isinstance(got, dict):
+        return  # no store there (or not a folder of its own: a link is never followed)
+    if got.get("blobs") or got.get("folders"):
         log.info("job %s: collected %d unreferenced snapshot chunks (%d bytes) and %d "
                  "leftover folders", r.job.name, got["blobs"], got["bytes"], got["folders"])

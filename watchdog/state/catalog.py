@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from trainwatch.config import Checkpoints
+from trainwatch.privsep.hand import Hand
 from trainwatch.state import atomic, statewrites
-from trainwatch.state.checkpointlayout import make_layout
+from trainwatch.state.checkpointlayout import make_layout, recognise
+from trainwatch.state.handdisk import HandDisk
 from trainwatch.state.ondisk import Layout, OnDisk
 from trainwatch.state.verifier import Verifier
 
@@ -65,6 +67,8 @@ SAVE_EVERY = 1.0
 
 
 QUARANTINED = "quarantined: "
+# Why a report is refused (a metric's label values: bounded).
+REFUSALS = ("outside_dir", "not_named", "quarantined", "path_too_long")
 
 
 def _kind(e: Entry) -> str:
@@ -80,10 +84,13 @@ class Catalog:
         owner: str = "",
         layout: Layout | None = None,
         verifier: Verifier | None = None,
+        hand: Hand | None = None,
     ) -> None:
         """``owner`` names what the saved state belongs to (the checkpoint dir, or
         the command when there is none): state saved for another owner (a job of
-        the same name in another project) is set aside, not trusted."""
+        the same name in another project) is set aside, not trusted. ``hand``:
+        the job's hand (privsep), where its folder is listed and judged; without
+        one, in this process."""
         # Absolute, so that the path handed to the job means the same from its workdir.
         self.spec = replace(spec, dir=os.path.abspath(spec.dir) if spec.dir else None)
         self.state_file = Path(state_file)
@@ -123,7 +130,11 @@ class Catalog:
             if isinstance(v, list) and len(v) == 3
         } if isinstance(raw_versions, dict) else {}
         self.layout = layout or make_layout(self.spec, self.reported, self.versions, clock)
-        self.disk = OnDisk(self.layout, self.spec.dir)
+        layout_ = self.layout
+        self.disk: OnDisk | HandDisk = (
+            OnDisk(self.layout, self.spec.dir) if hand is None else
+            HandDisk(self.layout, self.spec.dir, hand, f"checkpoints of {self.owner}",
+                     on_recognised=lambda name: recognise(layout_, name)))
         self._entries: dict[int, Entry] = {}  # by step, as last judged
         self._stale: set[int] = set()  # steps whose entry must be rebuilt
         self._counts = {"good": 0, "incomplete": 0, "bad": 0}  # of _entries, kept as it changes
@@ -133,6 +144,7 @@ class Catalog:
         # and the check a relaunch waits for (actions/verify.py).
         self.verifier = verifier
         self.checking: object = None  # an actions.verify.Check
+        self.refusal: str | None = None  # why the last report was refused (REFUSALS)
 
     def _save(self) -> None:
         try:
@@ -247,11 +259,7 @@ class Catalog:
         good = self._newest_good()
         if good is None:
             return Summary(counts=counts)
-        try:
-            mtime: float | None = os.stat(good.path).st_mtime
-        except OSError:
-            mtime = None
-        return Summary(good, mtime, counts)
+        return Summary(good, self.disk.mtime(good.step), counts)
 
     # --- what the supervisor tells us ---------------------------------------
 
@@ -262,15 +270,19 @@ class Catalog:
         refused: a path outside ``checkpoints.dir`` (or too long), one the layout
         does not name with this step (a report cannot make a file a checkpoint
         twice over), or a step in quarantine unless ``replaces_quarantined``
-        (written anew after a rollback)."""
-        if len(path) > MAX_PATH or (self.spec.dir is not None
-                                    and os.path.dirname(path) != self.spec.dir):
-            return False
-        if not self.layout.accepts(step, path):
+        (written anew after a rollback); ``refusal`` then says which (REFUSALS)."""
+        self.refusal = None
+        if len(path) > MAX_PATH:
+            self.refusal = "path_too_long"
+        elif self.spec.dir is not None and os.path.dirname(path) != self.spec.dir:
+            self.refusal = "outside_dir"
+        elif not self.layout.accepts(step, path):
+            self.refusal = "not_named"
+        elif self.bad.get(step, "").startswith(QUARANTINED) and not replaces_quarantined:
+            self.refusal = "quarantined"
+        if self.refusal is not None:
             return False
         if self.bad.get(step, "").startswith(QUARANTINED):
-            if not replaces_quarantined:
-                return False
             del self.bad[step]
             self._dirty = True
             self._stale.add(step)

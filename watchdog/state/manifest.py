@@ -116,7 +116,9 @@ class Manifest:
 
 @contextlib.contextmanager
 def _open_root(path: str) -> Iterator[tuple[int, os.stat_result]]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    # The checkpoint itself is never a link either: one to a file elsewhere would
+    # put that file's size and digest in a manifest, and judge it complete.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
     try:
         yield fd, os.fstat(fd)
     finally:

@@ -28,6 +28,10 @@ RELIST_MIN = 10.0  # a changed folder is listed again at most this often
 RELIST_MAX = 60.0  # and an unchanged one at least this often (a change its mtime missed)
 PENDING_EVERY = 1.0  # entries being written (newer than every complete one) judged again
 PENDING_MAX = 64  # ... the newest this many of them; older ones at the next listing
+# A listing reads at most this many names (a job's folder is its user's to fill):
+# past it the rest are not seen, and names_cut says so.
+MAX_NAMES = 200_000
+names_cut = 0
 
 
 class Layout(Protocol):
@@ -59,16 +63,19 @@ class Layout(Protocol):
 
 def listed(root: Path, step_of: Callable[[str], int | None]) -> dict[int, str]:
     """Every entry of ``root`` that ``step_of`` names, by step (one listing)."""
+    global names_cut
     found: dict[int, str] = {}
     try:
-        names = os.listdir(root)
+        with os.scandir(root) as it:
+            for n, entry in enumerate(it):
+                if n >= MAX_NAMES:
+                    names_cut += 1
+                    break
+                step = step_of(entry.path)
+                if step is not None:
+                    found[step] = entry.path
     except OSError:
         return found
-    for name in names:
-        path = os.path.join(root, name)
-        step = step_of(path)
-        if step is not None:
-            found[step] = path
     return found
 
 
@@ -139,6 +146,7 @@ class OnDisk:
         self.paths: dict[int, str] = {}  # step -> path, of what is on disk
         self.steps: list[int] = []  # sorted
         self.verdicts: dict[int, tuple[str, bool, str]] = {}  # step -> (path, complete, why)
+        self.mtimes: dict[int, float] = {}  # step -> mtime, of the complete ones when judged
         self._key: tuple[int, int] | None = None
         self._unjudged: set[int] = set()  # steps added or relisted without a verdict
         self._dropped: set[int] = set()  # steps gone since the last refresh
@@ -177,6 +185,7 @@ class OnDisk:
             return False
         for step in set(self.paths) - set(found):
             self.verdicts.pop(step, None)
+            self.mtimes.pop(step, None)
             self._dropped.add(step)
         self._unjudged.update(s for s, p in found.items() if self.paths.get(s) != p)
         self.paths = found
@@ -238,6 +247,11 @@ class OnDisk:
             if path is None:
                 continue
             complete, why = self.layout.judge(root, step, path)
+            if complete:
+                try:
+                    self.mtimes[step] = os.stat(path).st_mtime
+                except OSError:
+                    self.mtimes.pop(step, None)
             new = (path, complete, why)
             if new != self.verdicts.get(step):
                 self.verdicts[step] = new
@@ -245,6 +259,10 @@ class OnDisk:
             if complete and step > self._newest_complete:
                 self._newest_complete = step
         return changed | self._dropped_since()
+
+    def mtime(self, step: int) -> float | None:
+        """When the checkpoint of ``step`` was last written, as of its verdict."""
+        return self.mtimes.get(step)
 
     def _final(self, step: int) -> bool:
         v = self.verdicts.get(step)

@@ -1,0 +1,120 @@
+"""A job's hand, its own side: drop to the job's credentials, then answer calls.
+
+Forked from the daemon, possibly beside other threads: up to the serving loop
+it takes no lock that another thread could have held at the fork (no logging,
+no imports), and it leaves only through ``os._exit`` (no atexit handler, no
+flush of a buffer the parent owns). Every descriptor but its socket and stderr
+is closed first: the hand holds nothing of root's (the ledger, other jobs'
+pipes, the control socket). Each call runs under an alarm of its deadline, so a
+read that blocks ends the hand even if root is gone; root kills it first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import resource
+import signal
+import socket
+from typing import Any, NoReturn
+
+from trainwatch.actions.credentials import Identity
+from trainwatch.privsep.hand import BLOB, REPLY, REQUEST, Blobs
+
+# A hand that grew this much past its size at the fork leaves after its reply
+# (a listing of a million names): root forks a new one at the next call.
+GROWTH_MAX = 128 << 20
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+            signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD, signal.SIGPIPE)
+
+# What a call may keep for the next ones (a job's listing, digests of linked
+# files): lost with the hand, which each user of it must allow for.
+kept: dict[str, Any] = {}
+
+
+def serve(fd: int, ident: Identity | None, env: dict[str, str]) -> NoReturn:
+    code = 70
+    try:
+        _become(fd, ident, env)
+        _loop(socket.socket(fileno=fd))
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _become(fd: int, ident: Identity | None, env: dict[str, str]) -> None:
+    for s in _SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.close(null)
+    os.closerange(3, fd)
+    os.closerange(fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    if ident is not None and (ident.uid, ident.gid) != (os.geteuid(), os.getegid()):
+        os.setgroups(list(ident.groups))
+        os.setresgid(ident.gid, ident.gid, ident.gid)
+        os.setresuid(ident.uid, ident.uid, ident.uid)
+        if os.geteuid() != ident.uid or (ident.uid != 0 and os.getresuid()[2] == 0):
+            os._exit(71)  # never go on with root's rights in a user's folder
+    os.chdir("/")
+    os.umask(0o077)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm", "rb") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _read(sock: socket.socket, n: int) -> bytes | None:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
+
+def _loop(sock: socket.socket) -> None:
+    base = _rss()
+    while True:
+        head = _read(sock, REQUEST.size)
+        if head is None:
+            return  # root closed its end (or is gone)
+        body = _read(sock, REQUEST.unpack(head)[0])
+        if body is None:
+            return
+        fn, args, kwargs, seconds = pickle.loads(body)  # root's own bytes
+        signal.alarm(max(1, math.ceil(seconds)) + 1)
+        blobs: list[bytes] = []
+        reply: dict[str, Any]
+        try:
+            result = fn(*args, **kwargs)
+            if isinstance(result, Blobs):
+                result, blobs = result.result, result.blobs
+            reply = {"ok": True, "result": result}
+            data = json.dumps(reply).encode()
+        except BaseException as e:
+            blobs = []
+            errno_ = getattr(e, "errno", None)
+            reply = {"ok": False, "type": type(e).__name__,
+                     "errno": errno_ if isinstance(errno_, int) else None,
+                     "error": str(getattr(e, "strerror", None) or e)[:1000]}
+            data = json.dumps(reply).encode()
+        signal.alarm(0)
+        exiting = _rss() - base > GROWTH_MAX
+        if exiting:
+            reply["exiting"] = True
+            data = json.dumps(reply).encode()
+        out = [REPLY.pack(len(data), len(blobs)), data]
+        for b in blobs:
+            out += [BLOB.pack(len(b)), b]
+        sock.sendall(b"".join(out))
+        if exiting:
+            return
