@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -82,9 +83,17 @@ def received(s: socket.socket) -> list[str]:
         s.settimeout(10)
 
 
-def test_notify_sends_exact_datagrams(notify_socket: tuple[socket.socket, str]) -> None:
-    """ready/status/watchdog/reloading/stopping send sd_notify's exact messages, once each."""
-    s, path = notify_socket
+# A prelude that makes systemd-python unimportable, as on a host without libsystemd-dev.
+NO_SYSTEMD_PYTHON = "import sys; sys.modules['systemd'] = None\n"
+
+
+@pytest.mark.parametrize("sender", ["systemd-python", "own"])
+def test_notify_sends_exact_datagrams(listener: tuple[socket.socket, str], sender: str) -> None:
+    """ready/status/watchdog/reloading/stopping send sd_notify's exact messages, once each,
+    through systemd-python or, when it is not installed, trainwatch's own sender."""
+    if sender == "systemd-python" and importlib.util.find_spec("systemd") is None:
+        missing("systemd-python is not installed (pip install -e '.[dev]')")
+    s, path = listener
     before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     p = child("""
         s = Service()
@@ -98,7 +107,8 @@ def test_notify_sends_exact_datagrams(notify_socket: tuple[socket.socket, str]) 
         s.reloading()
         s.stopping()
         print(s.notify_failures)
-    """, NOTIFY_SOCKET=path, WATCHDOG_USEC="2000000")
+    """, prelude=NO_SYSTEMD_PYTHON if sender == "own" else "",
+        NOTIFY_SOCKET=path, WATCHDOG_USEC="2000000")
     after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
     assert p.stdout.split() == ["1.0", "0"]
     got = received(s)
@@ -140,22 +150,90 @@ def test_watchdog_pid_of_our_own_is_honoured(notify_socket: tuple[socket.socket,
     assert received(s) == ["WATCHDOG=1"]
 
 
-def test_without_systemd_python_one_line_and_nothing_sent(
+def test_without_systemd_python_one_line_and_ready_still_sent(
     listener: tuple[socket.socket, str],
 ) -> None:
-    """With systemd-python not importable: one info line, every call a no-op, no datagram."""
+    """With systemd-python not importable: one info line naming the fallback, and READY=1
+    reaches the manager's socket (a Type=notify unit starts)."""
     s, path = listener
     p = child("""
         for _ in range(2):
             s = Service()
-            s.ready("up"); s.status("x"); s.watchdog(1.0); s.reloading(); s.stopping()
-        print(s.watchdog_interval, journal_handler())
-    """, prelude="import sys; sys.modules['systemd'] = None\n",
+        s.ready("up")
+        print(s.watchdog_interval, journal_handler(), s.notify_failures)
+    """, prelude=NO_SYSTEMD_PYTHON,
         NOTIFY_SOCKET=path, WATCHDOG_USEC="2000000", INVOCATION_ID="0123abcd")
-    assert p.stdout.split() == ["None", "None"]
+    assert p.stdout.split() == ["1.0", "None", "0"]
     lines = p.stderr.splitlines()
     assert len(lines) == 1 and "systemd-python is not installed" in lines[0], p.stderr
-    assert received(s) == []
+    assert "own minimal sender" in lines[0]
+    assert received(s) == ["READY=1\nSTATUS=up"]
+
+
+def test_own_sender_reaches_an_abstract_socket() -> None:
+    """NOTIFY_SOCKET=@name (the abstract namespace, as systemd may pass): the datagram
+    arrives at the socket bound to NUL + name."""
+    name = f"trainwatch-test-{os.getpid()}-{time.monotonic_ns()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind("\0" + name)
+        child("""
+            Service().ready("up")
+        """, prelude=NO_SYSTEMD_PYTHON, NOTIFY_SOCKET="@" + name)
+        s.settimeout(10)
+        assert s.recv(4096) == b"READY=1\nSTATUS=up"
+
+
+def test_own_sender_refuses_an_address_it_cannot_speak_in_one_line(tmp_path: Any) -> None:
+    """NOTIFY_SOCKET=vsock:... without systemd-python: `trainwatch daemon` exits 2 at once
+    with one line naming what is missing, instead of never saying READY."""
+    config = tmp_path / "trainwatch.yaml"
+    config.write_text(f"state_dir: {tmp_path / 's'}\nrun_dir: {tmp_path / 'r'}\n"
+                      "metrics: {port: 0}\ngpu: {backend: off, kmsg: null}\njobs: []\n")
+    base = {k: v for k, v in os.environ.items() if k not in SYSTEMD_VARS}
+    p = subprocess.run(
+        [sys.executable, "-c", NO_SYSTEMD_PYTHON + "from trainwatch.cli import main\n"
+         f"sys.exit(main(['daemon', '--config', {str(config)!r}]))"],
+        env={**base, "NOTIFY_SOCKET": "vsock:2:1234"}, capture_output=True, text=True,
+        timeout=60, check=False)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainwatch: NOTIFY_SOCKET: "), p.stderr
+    assert "vsock:2:1234" in lines[0] and "systemd-python" in lines[0]
+
+
+def test_daemon_without_systemd_python_says_ready(listener: tuple[socket.socket, str],
+                                                  tmp_path: Any) -> None:
+    """`trainwatch daemon` with systemd-python unimportable (a host that lacked
+    libsystemd-dev at `make install`) still sends READY=1 to a real NOTIFY_SOCKET."""
+    s, path = listener
+    root = tempfile.mkdtemp(prefix="twrd", dir="/tmp")  # control.sock must fit sun_path
+    config = tmp_path / "trainwatch.yaml"
+    config.write_text(f"state_dir: {root}/s\nrun_dir: {root}/r\nmetrics: {{port: 0}}\n"
+                      "gpu: {backend: off, kmsg: null}\njobs: []\n")
+    base = {k: v for k, v in os.environ.items() if k not in SYSTEMD_VARS}
+    d = subprocess.Popen(
+        [sys.executable, "-c", NO_SYSTEMD_PYTHON + "from trainwatch.cli import main\n"
+         f"sys.exit(main(['daemon', '--config', {str(config)!r}]))"],
+        env={**base, "NOTIFY_SOCKET": path, "INVOCATION_ID": "0123abcd"},
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        s.settimeout(60)
+        first = s.recv(4096).decode()
+        assert first.startswith("READY=1\nSTATUS="), first
+        d.send_signal(signal.SIGTERM)
+        assert d.wait(timeout=30) == 0
+        assert "STOPPING=1" in received(s)
+    finally:
+        if d.poll() is None:
+            d.kill()
+            d.wait(timeout=30)
+        out = d.stdout.read().decode() if d.stdout else ""
+        if d.stdout:
+            d.stdout.close()
+        shutil.rmtree(root, ignore_errors=True)
+    assert "Traceback" not in out, out
+    assert "own minimal sender" in out, out
 
 
 def test_notify_to_a_vanished_socket_is_counted_and_logged_once(

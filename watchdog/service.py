@@ -2,9 +2,10 @@
 pings, reload and stop) and a journald log handler with structured fields.
 
 Both come from the optional extra ``trainwatchd[systemd]`` (systemd-python,
-which wraps libsystemd's sd_notify; the protocol is never hand-written here).
-Without it every call is a no-op and one info line says so, only when we run
-under systemd, where the missing extra matters.
+which wraps libsystemd's sd_notify). Without it the journald fields are off and
+notifications go through a minimal sender of sd_notify's datagram (``_datagram``),
+because a ``Type=notify`` unit that never hears ``READY=1`` is killed and restarted
+forever; one info line says so, only when we run under systemd.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from types import ModuleType
+
+from trainwatch.config import ConfigError
 
 log = logging.getLogger("trainwatch")
 
@@ -48,8 +52,8 @@ def _say_missing() -> None:
     global _said_missing
     if not _said_missing and under_systemd():
         _said_missing = True
-        log.info("systemd notifications and journald fields are off: systemd-python is not"
-                 " installed (pip install 'trainwatchd[systemd]')")
+        log.info("journald fields are off and sd_notify uses trainwatch's own minimal sender:"
+                 " systemd-python is not installed (pip install 'trainwatchd[systemd]')")
 
 
 def watchdog_interval(env: Mapping[str, str], pid: int) -> float | None:
@@ -72,6 +76,29 @@ def one_line(text: str) -> str:
     return " ".join(printable.split())[:STATUS_MAX]
 
 
+def _datagram(address: str) -> Callable[[str], object]:
+    """sd_notify(3) without libsystemd: the message as one AF_UNIX datagram to
+    NOTIFY_SOCKET, a path or, after '@', an abstract name. STYLE prefers the
+    dependency, and it is used whenever installed; this fallback exists because
+    systemd-python needs a C toolchain and libsystemd-dev to install, and without
+    READY=1 a Type=notify unit never starts. The protocol is documented and stable
+    (man sd_notify, "Notes"). Other forms (vsock:) are refused at start, in one line."""
+    if address.startswith("@"):
+        target = "\0" + address[1:]
+    elif address.startswith("/"):
+        target = address
+    else:
+        raise ConfigError(f"NOTIFY_SOCKET: expected an AF_UNIX path or @name (what"
+                          f" trainwatch's own sd_notify sender speaks), got {address!r}; install"
+                          " systemd-python (pip install 'trainwatchd[systemd]') for the others")
+
+    def send(message: str) -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.sendto(message.encode(), target)
+
+    return send
+
+
 class Service:
     """Notifications to systemd; each method is a no-op when there is no one to tell."""
 
@@ -82,13 +109,13 @@ class Service:
         self._status: str | None = None
         self._last_ping: float | None = None
         daemon = _module("systemd.daemon")
+        address = os.environ.get("NOTIFY_SOCKET")
+        if address:
+            self._notify = daemon.notify if daemon is not None else _datagram(address)
+            self.watchdog_interval = watchdog_interval(os.environ, os.getpid())
+        # else not started by systemd (or as Type=simple): nothing to tell
         if daemon is None:
             _say_missing()
-            return
-        if not os.environ.get("NOTIFY_SOCKET"):
-            return  # not started by systemd (or as Type=simple): nothing to tell
-        self._notify = daemon.notify
-        self.watchdog_interval = watchdog_interval(os.environ, os.getpid())
 
     def _send(self, message: str) -> None:
         if self._notify is None:
@@ -143,8 +170,7 @@ def journal_handler(
         return None
     journal = _module("systemd.journal")
     if journal is None:
-        _say_missing()
-        return None
+        return None  # Service() says so, once logging is set up (this runs before)
     kwargs: dict[str, object] = {"SYSLOG_IDENTIFIER": IDENTIFIER}
     if sender_function is not None:
         kwargs["sender_function"] = sender_function
