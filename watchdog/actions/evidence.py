@@ -72,7 +72,8 @@ def start(r: JobRunner, fault: Fault, incident: int | None) -> Capture | None:
         return None
     cap = Capture(out, targets[:_MAX_TARGETS], a.log_path, timeout=ev.timeout,
                   native=ev.native, log_lines=ev.log_lines,
-                  fr_dir=fr_dir(r, a.number) if ev.flight_recorder else None, named=fault.rank)
+                  fr_dir=fr_dir(r, a.number) if ev.flight_recorder else None, named=fault.rank,
+                  hand=r.hands.evidence)
     cap.start()
     return cap
 

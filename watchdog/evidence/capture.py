@@ -29,6 +29,7 @@ import psutil
 from trainwatch.actions.tree import proc_stat
 from trainwatch.detectors import stacks
 from trainwatch.evidence import flightrecorder, logtail, pyspy
+from trainwatch.privsep.hand import Hand, HandError
 from trainwatch.state.atomic import FILE_MODE, makedirs, write_json
 
 SUMMARY = "evidence.json"
@@ -78,8 +79,11 @@ class Capture:
                  timeout: float = 5.0, native: bool = False, log_lines: int = 50,
                  fr_dir: Path | None = None, named: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 pyspy_path: str | None = None) -> None:
-        """``pyspy_path``: the py-spy binary; None finds it (``pyspy.find``)."""
+                 pyspy_path: str | None = None, hand: Hand | None = None) -> None:
+        """``pyspy_path``: the py-spy binary; None finds it (``pyspy.find``).
+        ``hand``: the job's (privsep), where its dump folder is read; without one,
+        in this process."""
+        self.hand = hand
         self.out, self.targets, self.log_path = Path(out), list(targets), log_path
         self.timeout, self.native, self.log_lines = timeout, native, log_lines
         self.fr_dir, self.named, self.clock = fr_dir, named, clock
@@ -126,24 +130,17 @@ class Capture:
                 if p.is_file() and not p.name.startswith(".")]
 
     def _collect(self, s: dict[str, Any], deadline: float) -> None:
-        errors: list[str] = s["errors"]
         makedirs(self.out)
         for t, stem in zip(self.targets, _stems(self.targets), strict=True):
             s["targets"].append({"pid": t.pid, "rank": t.rank, "file": stem, **_probe(t.pid)})
-        triggers: list[flightrecorder.Trigger] = []
-        if self.fr_dir is not None:
-            try:
-                triggers = flightrecorder.trigger(self.fr_dir)
-            except OSError as e:
-                errors.append(f"flight recorder: {self.fr_dir}: {e.strerror or e}")
         runner = self._spy(s, deadline)
         self._log_tail(s)
+        if self.fr_dir is not None:  # while py-spy runs
+            self._flight_recorder(s, deadline)
         if runner is not None:
-            s["deadline_hit"] = runner.finish()
+            s["deadline_hit"] = runner.finish() or s["deadline_hit"]
             for d, row in zip(runner.dumps, s["targets"], strict=True):
                 row["py_spy"] = d.as_dict()
-        if self.fr_dir is not None:
-            self._flight_recorder(s, triggers, deadline)
         self._stacks(s)
 
     def _spy(self, s: dict[str, Any], deadline: float) -> pyspy.Runner | None:
@@ -175,19 +172,35 @@ class Capture:
             _write(self.out / f"log-tail.rank{r}.txt", "".join(x + "\n" for x in rl))
         s["log_tail"] = {"path": str(self.log_path), "lines": len(tail), "ranks": list(ranks)}
 
-    def _flight_recorder(self, s: dict[str, Any], triggers: list[flightrecorder.Trigger],
-                         deadline: float) -> None:
+    def _flight_recorder(self, s: dict[str, Any], deadline: float) -> None:
+        """Dumps triggered, waited for and read in the job's hand, as its user;
+        written here, bounded (flightrecorder.dumps)."""
         assert self.fr_dir is not None
-        stopped = {row["rank"] for row in s["targets"]
-                   if row["rank"] is not None and row["state"] in pyspy.NO_PAUSE | pyspy.GONE}
-        if not flightrecorder.wait_dumps(triggers, stopped, deadline, self.clock):
-            s["deadline_hit"] = True
-        fr: dict[str, Any] = {"dir": str(self.fr_dir), "pipes": [t.as_dict() for t in triggers]}
+        stopped = [row["rank"] for row in s["targets"]
+                   if row["rank"] is not None and row["state"] in pyspy.NO_PAUSE | pyspy.GONE]
+        seconds = max(0.0, deadline - self.clock())
+        fr: dict[str, Any] = {"dir": str(self.fr_dir), "pipes": [], "files": [], "errors": []}
         try:
-            fr["files"], fr["errors"] = flightrecorder.collect(self.fr_dir,
-                                                               self.out / "flight-recorder")
-        except OSError as e:
-            fr["files"], fr["errors"] = [], [f"{self.fr_dir}: {e.strerror or e}"]
+            if self.hand is None:
+                b = flightrecorder.dumps(str(self.fr_dir), stopped, seconds)
+                got, blobs = b.result, b.blobs
+            else:
+                got, blobs = self.hand.call_blobs(
+                    flightrecorder.dumps, str(self.fr_dir), stopped, seconds,
+                    timeout=seconds + 10.0, max_reply=flightrecorder.MAX_TOTAL + (1 << 20))
+        except HandError as e:
+            fr["errors"].append(f"{self.fr_dir}: no answer as the job's user: {e}")
+            s["flight_recorder"] = fr
+            return
+        if isinstance(got, dict):
+            pipes, errs = got.get("pipes"), got.get("errors")
+            fr["pipes"] = pipes[:1024] if isinstance(pipes, list) else []
+            fr["errors"] = [str(x)[:300] for x in errs[:64]] if isinstance(errs, list) else []
+            fr["limited"] = got.get("limited") if isinstance(got.get("limited"), int) else 0
+            if got.get("deadline_hit"):
+                s["deadline_hit"] = True
+        fr["files"], errors = flightrecorder.write(self.out / "flight-recorder", got, blobs)
+        fr["errors"] += errors
         s["flight_recorder"] = fr
 
     def _stacks(self, s: dict[str, Any]) -> None:

@@ -35,18 +35,23 @@ import contextlib
 import errno
 import os
 import re
-import shutil
 import stat
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from trainwatch.privsep.hand import Blobs
 from trainwatch.state.atomic import FILE_MODE, makedirs
 
 PREFIX = "nccl_trace_rank_"
 BUFFER_SIZE = 2000
 MAX_COPY = 256 << 20  # a dump of 2,000 entries is a few MiB; this skips a runaway file
+# Root's state_dir takes at most this much data of dumps per incident (holes are
+# not data), from at most MAX_FILES entries of the folder.
+MAX_TOTAL = 64 << 20
+MAX_FILES = 1024
 _PIPE = re.compile(r"(\d+)\.pipe$")
 _POLL = 0.05
 QUIET = 1.0  # a dump that is no pickle counts as whole once its size held this long
@@ -174,28 +179,111 @@ def wait_dumps(triggers: list[Trigger], silent: Collection[int], deadline: float
     return True
 
 
-def collect(fr_dir: Path, dest: Path, max_bytes: int = MAX_COPY) -> tuple[list[str], list[str]]:
-    """Copy every regular file of ``fr_dir`` (not the pipes, not links, not
-    folders) into ``dest``; the names copied, and one line per file not."""
-    copied: list[str] = []
-    errors: list[str] = []
-    for p in sorted(Path(fr_dir).iterdir()):
+def dumps(fr_dir: str, silent: list[int], seconds: float, max_file: int = MAX_COPY,
+          max_total: int = MAX_TOTAL) -> Blobs:
+    """In the job's hand (privsep), as its user: trigger every dump pipe, wait for
+    the dumps (ranks in ``silent`` are not waited for) at most ``seconds``, and
+    read the regular files of ``fr_dir``: their data only (holes skipped), at
+    most ``max_file`` bytes a file and ``max_total`` in all, ``MAX_FILES`` files."""
+    out: dict[str, Any] = {"pipes": [], "files": [], "errors": [], "deadline_hit": False,
+                           "limited": 0}
+    try:
+        triggers = trigger(Path(fr_dir))
+    except OSError as e:
+        out["errors"].append(f"{fr_dir}: {e.strerror or e}")
+        return Blobs(out, [])
+    if not wait_dumps(triggers, set(silent), time.monotonic() + seconds):
+        out["deadline_hit"] = True
+    out["pipes"] = [t.as_dict() for t in triggers]
+    blobs: list[bytes] = []
+    total = 0
+    names = sorted(os.listdir(fr_dir))
+    if len(names) > MAX_FILES:
+        out["errors"].append(f"{len(names)} entries: only the first {MAX_FILES} looked at")
+        out["limited"] += 1
+    for name in names[:MAX_FILES]:
         try:
-            st = os.lstat(p)
+            fd = os.open(os.path.join(fr_dir, name),
+                         os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno != errno.ELOOP:  # a link is skipped, as a pipe or a folder is
+                out["errors"].append(f"{name}: {e.strerror or e}")
+            continue
+        try:
+            st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 continue
-            if st.st_size > max_bytes:
-                errors.append(f"{p.name}: {st.st_size} bytes, over {max_bytes}: not copied")
+            if st.st_size > max_file:
+                out["errors"].append(f"{name}: {st.st_size} bytes, over {max_file}: not copied")
+                out["limited"] += 1
                 continue
-            makedirs(dest)
-            src = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with open(src, "rb") as fin:
-                fd = os.open(dest / p.name,
-                             os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                             FILE_MODE)
-                with open(fd, "wb") as fout:
-                    shutil.copyfileobj(fin, fout)
-            copied.append(p.name)
+            extents = _extents(fd, st.st_size)
+            data = sum(n for _, n in extents)
+            if total + data > max_total:
+                out["errors"].append(f"{name}: {data} bytes of data would pass the {max_total} "
+                                     "bytes copied per incident: not copied")
+                out["limited"] += 1
+                continue
+            segments = []
+            for off, n in extents:
+                chunk = os.pread(fd, n, off)
+                segments.append([off, len(chunk), len(blobs)])
+                blobs.append(chunk)
+                total += len(chunk)
+            out["files"].append({"name": name, "size": st.st_size, "segments": segments})
         except OSError as e:
-            errors.append(f"{p.name}: {e.strerror or e}")
+            out["errors"].append(f"{name}: {e.strerror or e}")
+        finally:
+            os.close(fd)
+    return Blobs(out, blobs)
+
+
+def _extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """The (offset, length) of the file's data, its holes left out."""
+    out: list[tuple[int, int]] = []
+    pos = 0
+    while pos < size:
+        try:
+            start = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as e:
+            if e.errno == errno.ENXIO:  # only a hole from here on
+                break
+            return [(0, size)]  # SEEK_DATA unsupported here: all of it is data
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        out.append((start, min(end, size) - start))
+        pos = end
+    return out
+
+
+def write(dest: Path, got: Any, blobs: list[bytes]) -> tuple[list[str], list[str]]:
+    """Root's side: the dumps the hand read, written into ``dest`` (root's own
+    folder) as sparse files; the names written, and one line per one not. What
+    the hand sent is the job user's: names, sizes and segments are checked."""
+    copied: list[str] = []
+    errors: list[str] = []
+    files = got.get("files") if isinstance(got, dict) else None
+    for f in files if isinstance(files, list) else []:
+        name, size, segs = (f.get(k) for k in ("name", "size", "segments")) \
+            if isinstance(f, dict) else (None, None, None)
+        if not (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+                and "\0" not in name and isinstance(size, int) and 0 <= size <= MAX_COPY
+                and isinstance(segs, list)):
+            errors.append("a dump the hand described badly: skipped")
+            continue
+        try:
+            makedirs(dest)
+            fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_CLOEXEC, FILE_MODE)
+            try:
+                for off, n, i in segs:
+                    if not (off >= 0 and off + n <= size and 0 <= i < len(blobs)
+                            and len(blobs[i]) == n):
+                        raise ValueError("a segment outside the file")
+                    os.pwrite(fd, blobs[i], off)
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            copied.append(name)
+        except (OSError, ValueError, TypeError) as e:
+            errors.append(f"{name}: {getattr(e, 'strerror', None) or e}")
     return copied, errors
