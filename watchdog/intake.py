@@ -26,9 +26,13 @@ from collections.abc import Callable, Sequence
 from trainwatch.sources import ring
 from trainwatch.sources.beatpoll import BeatPoller
 from trainwatch.sources.heartbeat import HeartbeatSocket
-from trainwatch.types import Beat, CheckpointReport
+from trainwatch.types import Beat, CheckpointReport, DataOrder
 
 log = logging.getLogger("trainwatch")
+
+# Ring files refused are remembered (not opened again) up to this many; past it
+# they are refused again at each scan, which ring.scan bounds.
+_REFUSED_MAX = 4096
 
 # Seconds between two reads of the rings (every job's in one round). A non-finite
 # value comes at once as a datagram and a judgement reads the rings first, so
@@ -62,6 +66,7 @@ class Intake:
         self.rings_refused = 0  # ring files not believed or not rings, every attempt
         self.rings_lapped_before = 0
         self._dir_seen: int | None = None
+        self.data_order: DataOrder | None = None  # the job's last word on it
         self._ring_poll_at = 0.0
 
     @property
@@ -91,9 +96,20 @@ class Intake:
                 self.on_beats((obs,))
             elif isinstance(obs, CheckpointReport):
                 self.on_report(obs)
+            else:
+                self._data_order(obs)
         if beaten:  # a client sends its first beat as a datagram once its ring exists
             self._read_rings(rescan=True)
         return len(observations) + c.malformed + c.oversized + c.foreign - sum(before)
+
+    def _data_order(self, d: DataOrder) -> None:
+        """Kept for the next rollback (actions/rollback.py), across attempts: an
+        attempt that faults before saying it is judged by what the last one said."""
+        old = self.data_order
+        self.data_order = d
+        if old is None or (old.order, old.why) != (d.order, d.why):
+            log.info("job %s: data order %s (rank %d: %s)", self.job, d.order, d.rank,
+                     d.why or "no reason given")
 
     def _read_rings(self, rescan: bool) -> int:
         d = self.ring_dir
@@ -146,7 +162,8 @@ class Intake:
                 rd.close()
                 rd = None
             if rd is None:
-                self.refused.add(path)
+                if len(self.refused) < _REFUSED_MAX:  # bounded: the folder is the job's
+                    self.refused.add(path)
                 self.rings_refused += 1
                 if self.rings_refused == 1:  # the first; the rest are only counted
                     log.warning("job %s: not reading the ring %s: %s", self.job, path, why)

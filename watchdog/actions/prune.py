@@ -66,6 +66,10 @@ def snapshot_keep(path: str) -> int | None:
 # job -> (the newest good snapshot's path, its keep): read once per snapshot, not
 # at every refresh (a manifest of many tensors is megabytes of JSON).
 _snapshot_keep: dict[str, tuple[str, int | None]] = {}
+# job -> the deletions that failed (a link, a folder not ours): a retention pass
+# runs at every refresh while space is low, and each would say it again.
+_refused: dict[str, set[tuple[int, str]]] = {}
+_REFUSED_MAX = 1024
 
 
 def keep_rule(r: JobRunner) -> Keep:
@@ -123,7 +127,10 @@ def after_refresh(r: JobRunner) -> None:
     r.catalog.pruned_at = step
     p = plan(r, listed=False)
     snapshots = 0
+    refused = _refused.setdefault(r.job.name, set())
     for c in p.delete:
+        if (c.step, c.path) in refused:
+            continue  # said once, in the ledger and the log; retried only if it changes
         try:
             why = r.hands.quick.call(retention.delete, c, root=root, timeout=HAND_TIMEOUT)
         except HandError as e:
@@ -136,8 +143,11 @@ def after_refresh(r: JobRunner) -> None:
             log.info("job %s: retention deleted checkpoint step %d (%s)", r.job.name, c.step,
                      c.path)
         else:
-            log.warning("job %s: retention could not delete checkpoint step %d: %s",
-                        r.job.name, c.step, why)
+            refused.add((c.step, c.path))
+            while len(refused) > _REFUSED_MAX:
+                refused.pop()
+            log.warning("job %s: retention could not delete checkpoint step %d: %s (not "
+                        "tried again while it stays)", r.job.name, c.step, why)
     if snapshots:
         _collect(r, root)
 

@@ -138,14 +138,25 @@ def parse_name(name: str) -> tuple[int, int] | None:
     return int(r), int(p)
 
 
-def scan(directory: str) -> list[tuple[int, int, str]]:
-    """(rank, pid, path) of every ring file in ``directory``, sorted; names that
-    do not parse (temporary files among them) are ignored; [] if the folder is
-    absent. Other OSErrors (EACCES) propagate."""
+# A ring folder is the job user's to fill: a scan reads at most this many names
+# (a job has a ring per local rank and process, a few dozen), so a folder of
+# 600,000 planted names costs one bounded pass, never memory to match.
+MAX_SCAN = 4096
+
+
+def scan(directory: str, limit: int = MAX_SCAN) -> list[tuple[int, int, str]]:
+    """(rank, pid, path) of the ring files among the first ``limit`` names of
+    ``directory``, sorted; names that do not parse (temporary files among
+    them) are ignored; [] if the folder is absent. Other OSErrors (EACCES)
+    propagate. ``scans_cut`` counts the scans that stopped at ``limit``."""
+    global scans_cut
     out: list[tuple[int, int, str]] = []
     try:
         with os.scandir(directory) as it:
-            for e in it:
+            for n, e in enumerate(it):
+                if n >= limit:
+                    scans_cut += 1
+                    break
                 rp = parse_name(e.name)
                 if rp is not None and e.is_file(follow_symlinks=False):
                     out.append((rp[0], rp[1], e.path))
@@ -153,6 +164,9 @@ def scan(directory: str) -> list[tuple[int, int, str]]:
         return []
     out.sort()
     return out
+
+
+scans_cut = 0
 
 
 class RingWriter:
