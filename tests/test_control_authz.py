@@ -1,0 +1,257 @@
+"""Each user controls only their own jobs (issue 21, item 9): a real `trainwatch
+daemon` run as root supervises job `a` running as twalice and job `b` running
+as twbob, and real users drive it with the real CLI (`setpriv` to their uid,
+gid and groups): twalice and twbob see and act on their own job only and are
+refused on the other's, which stays untouched; twadmin (a supplementary member
+of the `trainwatch` group) acts on both and alone reloads or drills a GPU;
+twcarol, who has no job, sees none. The control socket is open to every local
+user: who may do what is decided per request from the kernel's credentials."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import UserPython, local_user, need_root, wait_for
+
+ADMIN, ALICE, BOB, CAROL = "twadmin", "twalice", "twbob", "twcarol"
+JOBS = {"a": ALICE, "b": BOB}
+GROUP = "trainwatch"  # trainwatch.access.GROUP: the admin group
+# The job: beats ten times a second through the client (running from its first beat).
+BEATER = ("import time\nfrom trainwatch import client\nhb = client.connect()\n"
+          "step = 0\nwhile True:\n    step += 1\n    hb.beat(step)\n    time.sleep(0.1)\n")
+
+
+def _admin_group_member(user: str) -> None:
+    """``user`` in the admin group as a supplementary group, as `make install` and
+    `usermod -aG trainwatch USER` leave it (the group is created when missing)."""
+    try:
+        grp.getgrnam(GROUP)
+    except KeyError:
+        subprocess.run(["groupadd", "--system", GROUP], check=True, capture_output=True,
+                       timeout=30)
+    if user not in grp.getgrnam(GROUP).gr_mem:
+        subprocess.run(["usermod", "-aG", GROUP, user], check=True, capture_output=True,
+                       timeout=30)
+
+
+@dataclass
+class Host:
+    root: Path
+    run_dir: Path
+    state_dir: Path
+    daemon: subprocess.Popen[bytes]
+    out: Path
+    up: UserPython
+
+    def cli(self, user: str | None, *argv: str) -> subprocess.CompletedProcess[str]:
+        """The real `trainwatch` CLI as ``user`` (its uid, gid and groups); None: root."""
+        cmd = [self.up.python, "-m", "trainwatch.cli", *argv, "--run-dir", str(self.run_dir)]
+        if user is not None:
+            cmd = ["setpriv", f"--reuid={user}", f"--regid={pwd.getpwnam(user).pw_gid}",
+                   "--init-groups", *cmd]
+        return subprocess.run(cmd, env=self.up.env(), capture_output=True, text=True,
+                              timeout=60, check=False)
+
+    def ask(self, user: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """One raw request from a process running as ``user`` (what faultinject sends)."""
+        code = ("import json, sys; from trainwatch.control import request; "
+                "print(json.dumps(request(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))")
+        p = subprocess.run(["setpriv", f"--reuid={user}", f"--regid={pwd.getpwnam(user).pw_gid}",
+                            "--init-groups", self.up.python, "-c", code, str(self.run_dir), op,
+                            json.dumps(args)],
+                           env=self.up.env(), capture_output=True, text=True, timeout=60,
+                           check=False)
+        assert p.returncode == 0, p.stderr
+        return dict(json.loads(p.stdout))
+
+    def status(self, job: str) -> dict[str, Any]:
+        """The job as root's `trainwatch status --json` shows it."""
+        p = self.cli(None, "status", "--json")
+        assert p.returncode == 0, p.stderr
+        return next(j for j in json.loads(p.stdout)["jobs"] if j["job"] == job)
+
+    def state(self, job: str) -> str | None:
+        """The job's state from its status.json (cheap enough to poll)."""
+        try:
+            return str(json.loads((self.state_dir / "jobs" / job / "status.json")
+                                  .read_text())["state"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def output(self) -> str:
+        return self.out.read_text(errors="replace")
+
+
+def _refusal(user: str, job: str, verb: str = "act on") -> str:
+    pw = pwd.getpwnam(user)
+    return f"job {job} runs as {JOBS[job]}; uid {pw.pw_uid} ({user}) may {verb} only its own jobs"
+
+
+def _one_line(p: subprocess.CompletedProcess[str]) -> str:
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert p.stdout == ""
+    assert p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    return p.stderr.strip()
+
+
+def _jobs(p: subprocess.CompletedProcess[str]) -> list[str]:
+    assert p.returncode == 0, p.stderr
+    return sorted(j["job"] for j in json.loads(p.stdout)["jobs"])
+
+
+@pytest.fixture(scope="module")
+def host(user_python: UserPython) -> Iterator[Host]:
+    need_root("jobs and CLI users of their own")
+    for name in (ADMIN, ALICE, BOB, CAROL):
+        local_user(name)
+    _admin_group_member(ADMIN)
+    root = Path(tempfile.mkdtemp(prefix="twz", dir="/tmp"))
+    root.chmod(0o755)  # the users reach run_dir/control.sock through it
+    jobs = []
+    for job, user in JOBS.items():
+        d = root / job
+        (d / "ckpt").mkdir(parents=True)
+        pw = pwd.getpwnam(user)
+        for p in (d, d / "ckpt"):
+            os.chown(p, pw.pw_uid, pw.pw_gid)
+        jobs.append({"name": job, "user": user, "workdir": str(d),
+                     "command": [user_python.python, "-c", BEATER],
+                     "env": {"PYTHONPATH": user_python.path},
+                     "checkpoints": {"dir": str(d / "ckpt")}})
+    config = root / "trainwatch.yaml"
+    config.write_text(yaml.safe_dump({
+        "state_dir": str(root / "state"), "run_dir": str(root / "run"),
+        "metrics": {"port": 0}, "gpu": {"backend": "off", "kmsg": None}, "jobs": jobs,
+        "policies": {"default": {"max_restarts": 3, "kill_grace": "2s",
+                                 "backoff": {"initial": "0.1s", "max": "1s", "jitter": 0}}}}))
+    out = root / "daemon.out"
+    with open(out, "wb") as f:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "trainwatch.cli", "daemon", "--config", str(config)],
+            stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    h = Host(root, root / "run", root / "state", daemon, out, user_python)
+    try:
+        for job in JOBS:
+            wait_for(lambda job=job: daemon.poll() is None and h.state(job) == "running",
+                     timeout=60, what=f"job {job} running")
+        yield h
+    finally:
+        # The daemon leaves its jobs running by design: stop them first, then it.
+        for job in JOBS:
+            with contextlib.suppress(Exception):
+                h.cli(None, "stop", job)
+        for job in JOBS:
+            with contextlib.suppress(Exception):
+                wait_for(lambda job=job: h.state(job) in ("paused", "exited", "fatal"),
+                         timeout=30, what=f"job {job} stopped")
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+        for job in JOBS:  # a job the daemon could not stop: by its pid, if still ours
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                pid = int(json.loads((h.state_dir / "jobs" / job / "status.json")
+                                     .read_text())["pid"])
+                if b"client.connect" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_each_user_sees_only_the_jobs_that_run_as_them(host: Host) -> None:
+    """status and incidents: alice sees a, bob b, the admin both, carol (no job) none."""
+    assert _jobs(host.cli(ALICE, "status", "--json")) == ["a"]
+    assert _jobs(host.cli(BOB, "status", "--json")) == ["b"]
+    assert _jobs(host.cli(ADMIN, "status", "--json")) == ["a", "b"]
+    assert _jobs(host.cli(CAROL, "status", "--json")) == []
+    p = host.cli(CAROL, "incidents", "--json")
+    assert p.returncode == 0 and json.loads(p.stdout) == [], p.stderr
+    assert _one_line(host.cli(ALICE, "incidents", "--job", "b")) == \
+        f"trainwatch incidents: {_refusal(ALICE, 'b', 'read')}"
+    assert _one_line(host.cli(ALICE, "checkpoints", "b")) == \
+        f"trainwatch checkpoints: {_refusal(ALICE, 'b', 'read')}"
+    assert host.cli(ALICE, "checkpoints", "a").returncode == 0
+
+
+def test_a_user_pauses_stops_and_starts_their_own_job(host: Host) -> None:
+    """alice pauses, resumes, stops and starts job a with the CLI; each takes effect."""
+    assert host.cli(ALICE, "pause", "a").stdout == "a: running (paused)\n"
+    assert host.status("a")["paused"] is True
+    assert host.cli(ALICE, "resume", "a").returncode == 0
+    assert host.status("a")["paused"] is False
+    pid = host.status("a")["pid"]
+    assert host.cli(ALICE, "stop", "a").returncode == 0
+    wait_for(lambda: host.state("a") == "paused", timeout=30, what="a stopped")
+    assert host.cli(ALICE, "start", "a").returncode == 0
+    wait_for(lambda: host.state("a") == "running", timeout=30, what="a running again")
+    assert host.status("a")["pid"] != pid
+
+
+def test_a_user_is_refused_on_another_users_job_which_stays_untouched(host: Host) -> None:
+    """alice's pause, stop, rollback and drills on bob's job: refused in one line, b as it was."""
+    before = host.status("b")
+    for argv in (("pause", "b"), ("stop", "b"), ("rollback", "b", "--to-step", "1")):
+        assert _one_line(host.cli(ALICE, *argv)) == f"trainwatch {argv[0]}: {_refusal(ALICE, 'b')}"
+    for args in ({"job": "b", "kind": "nan"}, {"job": "b", "kind": "crash", "pids": []}):
+        assert host.ask(ALICE, "drill", args) == {"ok": False,
+                                                  "error": f"drill: {_refusal(ALICE, 'b')}"}
+    after = host.status("b")
+    assert (after["state"], after["paused"], after["pid"], after["attempt"],
+            after["last_incident"]) == ("running", False, before["pid"], before["attempt"], None)
+    # Refusals are logged, but not one line per request.
+    refused = [line for line in host.output().splitlines()
+               if "control: refused" in line and f"({ALICE})" in line]
+    assert 1 <= len(refused) < 5, refused
+
+
+def test_a_user_with_no_jobs_acts_on_none(host: Host) -> None:
+    """carol, who has no job, is refused on both and named as the one refused."""
+    for job in JOBS:
+        assert _one_line(host.cli(CAROL, "pause", job)) == \
+            f"trainwatch pause: {_refusal(CAROL, job)}"
+    assert host.status("a")["paused"] is False and host.status("b")["paused"] is False
+
+
+def test_the_admin_group_acts_on_every_job_where_other_users_are_refused(host: Host) -> None:
+    """twadmin, a supplementary member of the trainwatch group, pauses and resumes a and b,
+    each refused to the other job's user."""
+    for job, other in (("a", BOB), ("b", ALICE)):
+        assert _one_line(host.cli(other, "pause", job)) == \
+            f"trainwatch pause: {_refusal(other, job)}"
+        assert host.cli(ADMIN, "pause", job).stdout == f"{job}: running (paused)\n"
+        assert host.status(job)["paused"] is True
+        assert host.cli(ADMIN, "resume", job).returncode == 0
+        assert host.status(job)["paused"] is False
+
+
+def test_host_wide_requests_are_for_admins_only(host: Host) -> None:
+    """reload and GPU drills: refused to alice before any work; the admin's are carried out."""
+    uid = pwd.getpwnam(ALICE).pw_uid
+    assert _one_line(host.cli(ALICE, "reload")) == (
+        f"trainwatch reload: reload is for root and the trainwatch group only; uid {uid} "
+        f"({ALICE}) may act only on its own jobs")
+    # Refused before the daemon even looks at its GPUs (monitoring is off here).
+    assert host.ask(ALICE, "gpu-xid", {"gpu": 0, "xid": 79})["error"] == (
+        f"gpu-xid: the GPU drill gpu-xid is for root and the trainwatch group only; uid {uid} "
+        f"({ALICE}) may act only on its own jobs")
+    assert host.ask(ADMIN, "gpu-xid", {"gpu": 0, "xid": 79})["error"] == \
+        "gpu-xid: GPU monitoring is off (gpu.backend: off)"
+    p = host.cli(ADMIN, "reload")
+    assert p.returncode == 0 and p.stdout.startswith("reloaded: no changes"), p.stderr
