@@ -177,7 +177,7 @@ BAD: list[object] = [
     pytest.param(
         JOB + "policies: {default: {retries: 3}}\n",
         "<file>: policies.default.retries: expected one of actions, backoff, escalate, exec,"
-        " kill_grace, max_restarts, window, xid_actions, got an unknown key",
+        " kill_grace, max_restarts, rollback, window, xid_actions, got an unknown key",
         id="unknown-policy-key",
     ),
     pytest.param(
@@ -195,6 +195,17 @@ BAD: list[object] = [
         "<file>: jobs.j.anomalies: expected settings that agree (need 0 < alert_z <= act_z),"
         " got alert_z: 8, act_z: 4",
         id="anomalies-act-below-alert",
+    ),
+    pytest.param(
+        "jobs: [{name: j, command: [t], anomalies: {margin: 100}}]\n",
+        "<file>: jobs.j.anomalies.margin: expected policies.<the job's policy>.rollback.before"
+        " (the setting moved there), got anomalies.margin",
+        id="anomalies-margin-moved-to-the-policy",
+    ),
+    pytest.param(
+        JOB + "policies: {default: {rollback: {max_widenings: -1}}}\n",
+        "<file>: policies.default.rollback.max_widenings: expected an integer >= 0, got -1",
+        id="rollback-negative-widenings",
     ),
     pytest.param(
         "jobs: [{name: j, command: [t], anomalies: {window: -3}}]\n",
@@ -397,7 +408,8 @@ def test_minimal_job_gets_documented_defaults(tmp_path: Path) -> None:
     assert policy.action_for(FaultKind.CRASH) is Action.RESTART
     assert policy.action_for(FaultKind.HANG) is Action.RESTART
     assert policy.action_for(FaultKind.NAN_LOSS) is Action.ROLLBACK
-    assert (job.anomalies.margin, job.anomalies.max_rollbacks) == (1, 3)
+    rb = policy.rollback
+    assert (rb.before, rb.skip_before, rb.skip_after, rb.max_widenings) == (1, 0, 0, 3)
     assert job.anomalies.detect == LossSettings()
     assert (config.metrics.address, config.metrics.port) == ("127.0.0.1", 9445)
     assert (job.heartbeat.required, job.heartbeat.ranks, job.heartbeat.max_ranks) == (
@@ -540,8 +552,11 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
         "reset_after",
         "actions",
         "anomalies",
-        "margin",
-        "max_rollbacks",
+        "rollback",
+        "before",
+        "skip_before",
+        "skip_after",
+        "max_widenings",
         *(f.name for f in dataclasses.fields(LossSettings)),
         "stall", "ceiling", "silence", "idle_cpu",
         "evidence", "kinds", "native", "log_lines", "flight_recorder",

@@ -291,7 +291,7 @@ def test_show_without_evidence_says_so(tmp_path: Path) -> None:
     """An incident with no folder prints the row and one line, no traceback."""
     text = render({"id": 1, "time": 1.8e9, "job": "j", "kind": "hang", "evidence": "{}"},
                   tmp_path / "none")
-    assert "incident 1" in text and "no evidence captured" in text
+    assert "incident 1" in text and "stacks and log tail: none kept for this hang" in text
 
 
 def test_folder_refuses_a_path_as_job_name() -> None:

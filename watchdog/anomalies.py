@@ -12,11 +12,13 @@ loss), while a non-finite value from any rank is a ``nan_loss`` at once.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from trainwatch import respond
 from trainwatch.detectors.loss import Anomaly, LossSettings, LossWatch
+from trainwatch.evidence import series
 from trainwatch.types import Action, Beat, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
@@ -35,6 +37,8 @@ class LossFeed:
         self.watch = LossWatch(settings)
         self.lead: int | None = None
         self.last: tuple[float | None, float | None] = (None, None)  # the lead's values
+        # The lead's recent values, for an incident's series (evidence/series.py).
+        self.series: deque[series.Point] = deque(maxlen=series.KEPT)
         self._in_nan: set[int] = set()  # other ranks inside a run of non-finite values
 
     def observe(self, beats: Sequence[Beat]) -> list[tuple[Anomaly, Beat]]:
@@ -46,6 +50,7 @@ class LossFeed:
                 self.lead = b.rank
             if b.rank == self.lead:
                 self.last = (b.loss, b.grad_norm)
+                self.series.append((b.step, b.loss, b.grad_norm))
                 found += [(an, b) for an in self.watch.observe(b.step, b.loss, b.grad_norm)]
             elif _finite(b.loss) and _finite(b.grad_norm):
                 self._in_nan.discard(b.rank)

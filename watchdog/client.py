@@ -11,6 +11,7 @@ costs more; the daemon's catalog also finds checkpoints on disk.
     for step in ...:
         hb.beat(step, loss=loss, grad_norm=gn)
     hb.checkpoint(step, path)
+    hb.data_order("step", "a sampler seeded by step")   # once: is the skip window exact?
 
 With TRAINWATCH_RING_DIR set (a daemon that reads heartbeat rings), every
 beat goes into this process's ring file for its rank (trainwatch.sources.ring:
@@ -45,6 +46,7 @@ _MIN_INTERVAL = 0.005
 _CHECKPOINT_RETRY_FOR = 0.2
 _UNSENT_KEPT = 4  # unsent checkpoint reports kept for a later beat to send
 _UNSENT_RETRY = 0.1  # seconds between two tries from beat()
+_MAX_WHY = 300  # characters of a data-order reason sent (the daemon keeps as many)
 
 
 def _num(x: float | None) -> str:
@@ -233,6 +235,34 @@ class Heartbeat:
             data = json.dumps(body, separators=(",", ":")).encode()
         except Exception:
             return False
+        return self._report(data)
+
+    def data_order(self, order: str, why: str = "", epoch_steps: int | None = None,
+                   step: int = 0, rank: int | None = None) -> bool:
+        """Say, once per process, whether the batch of step k is a function of k,
+        so that a rollback's skip window (skip_steps()) is known to be exact or
+        approximate: ``order`` is "step" (wherever the run resumes: a stateful
+        loader restored from the checkpoint, a sampler seeded by step),
+        "epoch-seeded" (fixed within an epoch of ``epoch_steps`` optimizer steps,
+        but a resume restarts the epoch), or "unknown" (an unseeded shuffle);
+        ``why`` in a line; ``step``, the step this process starts from. The
+        trainwatch.integrations callbacks call it for you. Retried briefly like a
+        checkpoint report; never raises. A daemon older than this method counts
+        the message as malformed and ignores it."""
+        try:
+            body: dict[str, object] = {
+                "v": 1, "k": "data", "rank": self.rank if rank is None else rank,
+                "step": int(step), "order": str(order), "why": str(why)[:_MAX_WHY]}
+            if epoch_steps is not None:
+                body["epoch_steps"] = int(epoch_steps)
+            data = json.dumps(body, separators=(",", ":")).encode()
+        except Exception:
+            return False
+        return self._report(data)
+
+    def _report(self, data: bytes) -> bool:
+        """Send a message that must not be lost: retried briefly, then kept for
+        a later beat to send (the newest few)."""
         deadline = time.monotonic() + _CHECKPOINT_RETRY_FOR
         while True:
             if self._sock is None:
@@ -268,6 +298,10 @@ class NullHeartbeat:
         pass
 
     def checkpoint(self, step: int, path: str | os.PathLike[str], rank: int | None = None) -> bool:
+        return False
+
+    def data_order(self, order: str, why: str = "", epoch_steps: int | None = None,
+                   step: int = 0, rank: int | None = None) -> bool:
         return False
 
     def close(self) -> None:

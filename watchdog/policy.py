@@ -67,9 +67,13 @@ def decide(
     attempt_ran_for: float,
     rng: random.Random,
     action: Action | None = None,
+    charged: bool = True,
 ) -> Decision:
     """Pure apart from updating ``history`` when it grants a restart. ``action``:
-    when the caller already knows it (an Xid's class), else the policy's for the kind."""
+    when the caller already knows it (an Xid's class), else the policy's for the kind.
+    ``charged`` False: a rollback that widens the skip window of an anomaly
+    already charged; it spends none of the budget (the policy's
+    ``rollback.max_widenings`` bounds it) but backs off as usual."""
     if action is None:
         action = policy.action_for(fault.kind)
     if action not in _RELAUNCHING:
@@ -79,6 +83,12 @@ def decide(
     if attempt_ran_for >= policy.backoff.reset_after:
         history.consecutive = 0  # the attempt was stable: start the backoff over
     used = history.in_window(now, policy.window)
+    if not charged:
+        delay = backoff_delay(policy, history.consecutive, rng)
+        history.consecutive += 1
+        return Decision(action, delay=delay,
+                        reason=f"the same anomaly again: not charged ({used} of "
+                        f"{policy.max_restarts} restarts used within {policy.window:g}s)")
     if used >= policy.max_restarts:
         return Decision(
             action,

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from trainwatch.actions import evidence, hook, rollback
 from trainwatch.actions import stop as stopping
+from trainwatch.evidence import series
+from trainwatch.evidence.show import folder
 from trainwatch.policy import choose, decide
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
@@ -61,6 +63,19 @@ def run_exec_hook(r: JobRunner, kind: str, gpu: int | None) -> None:
     hook.run(r.policy.exec, r.job.name, kind, gpu, r.umask)
 
 
+def keep_series(r: JobRunner, fault: Fault, incident: int) -> None:
+    """The lead rank's loss and grad norm around the onset, beside the incident."""
+    feed = r.anomalies
+    onset = fault.onset_step if fault.onset_step is not None else r.last_step
+    if onset is None or feed.lead is None:
+        return
+    try:
+        where = folder(r.config.state_dir, r.job.name, incident)
+        series.keep(where, feed.lead, onset, fault.evidence.get("noticed_step"), feed.series)
+    except (OSError, ValueError) as e:  # a full state_dir costs the series, not the job
+        log.warning("job %s: incident %d: loss series not kept: %s", r.job.name, incident, e)
+
+
 def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
     a = r.attempt
     assert a is not None
@@ -75,12 +90,20 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
                     r.catalog.bad[resumed])
     if action is None:
         action = r.policy.action_for(fault.kind)
+    plan = None
     if r.observing:
         why = "observe_only" if r.config.observe_only else "paused"
         reason, delay, fatal = f"{why}: would {action.value}", None, False
     else:
-        d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, action)
-        reason, delay, fatal = d.reason, d.delay, d.fatal
+        if action is Action.ROLLBACK:
+            plan = rollback.plan(r, fault)  # the same anomaly again is not charged again
+        if plan is not None and plan.gave_up is not None:
+            reason, delay, fatal = plan.gave_up, None, True
+            log.error("job %s: %s: stopped", r.job.name, plan.gave_up)
+        else:
+            d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, action,
+                       charged=plan is None or plan.widening == 0)
+            reason, delay, fatal = d.reason, d.delay, d.fatal
     r.events.faults.labels(r.job.name, fault.kind.value).inc()
     latency = max(0.0, now - fault.onset) if fault.onset_known else None
     if latency is not None:
@@ -92,6 +115,8 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
     )
     if incident is not None and not r.observing and action is not Action.ALERT:
         r.last_incident = incident  # its grant is in the history saved from now on
+    if fault.kind in series.LOSS_KINDS and incident is not None and incident >= 0:
+        keep_series(r, fault, incident)
     ev = ", ".join(f"{k}={v}" for k, v in fault.evidence.items())
     log.warning("job %s: %s (%s) -> %s: %s", r.job.name, fault.kind.value, ev,
                 action.value, reason)
@@ -125,11 +150,8 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
         run_exec_hook(r, fault.kind.value, fault.gpu)
         stop(JobState.FATAL, f"{fault.kind.value}: handed to the exec hook")
         return
-    if action is Action.ROLLBACK and not fatal:
-        gave_up = rollback.after_anomaly(r, fault)
-        if gave_up is not None:
-            fatal, reason = True, gave_up
-            log.error("job %s: %s: stopped", r.job.name, gave_up)
+    if plan is not None and not fatal:
+        rollback.apply(r, plan, incident)
     if action is Action.STOP or fatal:
         stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
         return

@@ -109,6 +109,26 @@ class CheckpointReport:
     at: float
 
 
+# How a job's data order relates to its step (DataOrder.order): "step", the batch
+# of step k is a function of k wherever the run resumes (a stateful loader, HF's
+# Trainer replaying its seeded sampler); "epoch-seeded", the order within an epoch
+# is fixed but a resume restarts the epoch (exact only from an epoch boundary);
+# "unknown", not known to be a function of the step (an unseeded shuffle).
+DATA_ORDERS = ("step", "epoch-seeded", "unknown")
+
+
+@dataclass(frozen=True)
+class DataOrder:
+    """The job said how its data order follows its step (once per process)."""
+
+    order: str  # one of DATA_ORDERS
+    why: str  # what the job's side found, in a line
+    epoch_steps: int | None  # optimizer steps per epoch, when known
+    step: int  # the step the process starts from
+    rank: int
+    at: float
+
+
 @dataclass(frozen=True)
 class ProcessExit:
     """The job's leader process ended."""

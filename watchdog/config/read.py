@@ -31,6 +31,7 @@ from trainwatch.config.schema import (
     Learned,
     Metrics,
     Policy,
+    Rollback,
     check_socket_paths,
     default_dirs,
 )
@@ -117,7 +118,7 @@ def _actions(r: Reader, raw: object, path: str) -> dict[FaultKind, Action]:
 def _policy(r: Reader, name: str, raw: object) -> Policy:
     path = f"policies.{name}"
     m = r.mapping(raw, path, {"max_restarts", "window", "backoff", "kill_grace", "actions",
-                              "xid_actions", "escalate", "exec"})
+                              "xid_actions", "escalate", "exec", "rollback"})
     d = Policy()
     bp = f"{path}.backoff"
     b = r.mapping(m.get("backoff"), bp, {"initial", "factor", "max", "jitter", "reset_after"})
@@ -153,8 +154,18 @@ def _policy(r: Reader, name: str, raw: object) -> Policy:
         after=r.get(e, "after", ep, fields.POSITIVE, d.escalate.after),
         window=r.get(e, "window", ep, _DUR, d.escalate.window),
     )
+    rp = f"{path}.rollback"
+    rb = r.mapping(m.get("rollback"), rp, {"before", "skip_before", "skip_after",
+                                           "max_widenings"})
+    rollback = Rollback(
+        before=r.get(rb, "before", rp, fields.NATURAL, d.rollback.before),
+        skip_before=r.get(rb, "skip_before", rp, fields.NATURAL, d.rollback.skip_before),
+        skip_after=r.get(rb, "skip_after", rp, fields.NATURAL, d.rollback.skip_after),
+        max_widenings=r.get(rb, "max_widenings", rp, fields.NATURAL, d.rollback.max_widenings),
+    )
     raw_exec = m.get("exec")
     return Policy(
+        rollback=rollback,
         name=name,
         xid_actions=xid_actions,
         escalate=escalate,

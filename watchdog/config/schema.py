@@ -62,6 +62,25 @@ class Escalate:
 
 
 @dataclass(frozen=True)
+class Rollback:
+    """A rollback past a loss anomaly (actions/rollback.py): where it resumes,
+    which steps' data it skips, and how often one anomaly may widen it."""
+
+    # Resume from the newest good checkpoint more than this many steps before the
+    # skip window. 1: the checkpoint of the step just before the onset holds the
+    # weights that produced the first anomalous loss (a blown-up update ruins them
+    # a step before the loss shows it); PaLM went back about 100 steps.
+    before: int = 1
+    # The first window: from skip_before steps before the onset to skip_after
+    # steps after the last anomalous step seen (PaLM skipped 200-500 batches).
+    skip_before: int = 0
+    skip_after: int = 0
+    # The anomaly back in (or beside) the window: the window doubles, at most this
+    # many times. One anomaly's rollbacks spend one restart of the budget.
+    max_widenings: int = 3
+
+
+@dataclass(frozen=True)
 class Policy:
     name: str = "default"
     max_restarts: int = 10
@@ -73,6 +92,7 @@ class Policy:
     xid_actions: Mapping[int | str, Action] = field(default_factory=dict)
     escalate: Escalate = field(default_factory=Escalate)
     exec: tuple[str, ...] = ()  # the operator hook: {job}, {gpu}, {kind} are filled in
+    rollback: Rollback = field(default_factory=Rollback)
 
     def action_for(self, kind: FaultKind) -> Action:
         return self.actions.get(kind, Action.ALERT)
@@ -116,20 +136,19 @@ class Checkpoints:
     # A remote snapshot store (layout trainwatch): with no good local checkpoint, a
     # launch pulls the newest snapshot from it first (actions/pull.py).
     remote: str | None = None
+    # A pull that failed (or a remote that could not be listed) with nothing good on
+    # local disk: "stop" (the job goes fatal, loudly: a fresh run would upload over
+    # the remote's snapshots, two runs mixed in one prefix) or "retire" (the
+    # remote's manifests renamed *.json.retired first, then a fresh start).
+    on_pull_failure: str = "stop"
 
 
 @dataclass(frozen=True)
 class Anomalies:
-    """A job's loss and grad-norm watch (detectors/loss.py) and its rollbacks."""
+    """A job's loss and grad-norm watch (detectors/loss.py); what a rollback past
+    an anomaly does is its policy's (Policy.rollback)."""
 
     detect: LossSettings = field(default_factory=LossSettings)
-    # Resume from the newest good checkpoint more than this many steps before the
-    # onset. 1: the checkpoint of the step just before the onset holds the weights
-    # that produced the first anomalous loss (a blown-up update ruins them a step
-    # before the loss shows it); PaLM went back about 100 steps.
-    margin: int = 1
-    # Rollbacks into the same window (each skipping a wider one) before the job is stopped.
-    max_rollbacks: int = 3
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,21 @@ def logs(r: Reader, raw: object, path: str) -> Logs:
     return Logs(builtin=r.get(m, "builtin", path, "true or false", True), rules=tuple(rules))
 
 
+# Keys of a job's anomalies that are now its policy's rollback settings.
+_MOVED = {"margin": "before", "max_rollbacks": "max_widenings"}
+
+
 def anomalies(r: Reader, raw: object, path: str) -> Anomalies:
     """``anomalies:``: each detector setting by its name in LossSettings (a kind
-    true/false, a count, a threshold), plus the rollback's margin and tries."""
+    true/false, a count, a threshold). The rollback's settings are the policy's."""
     d = LossSettings()
     names = [f.name for f in dataclasses.fields(LossSettings)]
-    m = r.mapping(raw, path, {*names, "margin", "max_rollbacks"})
+    if isinstance(raw, dict):
+        for old, new in _MOVED.items():
+            if old in raw:
+                raise r.fail(f"{path}.{old}", f"policies.<the job's policy>.rollback.{new}"
+                             " (the setting moved there)", Said(f"anomalies.{old}"))
+    m = r.mapping(raw, path, set(names))
     values: dict[str, Any] = {}
     for name in names:
         default = getattr(d, name)
@@ -69,11 +78,7 @@ def anomalies(r: Reader, raw: object, path: str) -> Anomalies:
     except ValueError as e:  # settings that contradict each other (act below alert)
         raise r.fail(path, f"settings that agree ({e})",
                      Said(", ".join(f"{k}: {v}" for k, v in m.items()))) from None
-    a = Anomalies()
-    return Anomalies(detect=detect,
-                     margin=r.get(m, "margin", path, fields.NATURAL, a.margin),
-                     max_rollbacks=r.get(m, "max_rollbacks", path, fields.POSITIVE,
-                                         a.max_rollbacks))
+    return Anomalies(detect=detect)
 
 
 def stall(r: Reader, raw: object, path: str) -> StallSettings:
@@ -136,9 +141,9 @@ def _bytes(v: object) -> int:
 
 def checkpoints(r: Reader, raw: object, path: str) -> Checkpoints:
     """``checkpoints: {dir, layout, pattern, marker, quiet_for, bad_after, keep, verify,
-    verify_timeout, remote}``."""
+    verify_timeout, remote, on_pull_failure}``."""
     c = r.mapping(raw, path, {"dir", "layout", "pattern", "marker", "quiet_for", "bad_after",
-                              "keep", "verify", "verify_timeout", "remote"})
+                              "keep", "verify", "verify_timeout", "remote", "on_pull_failure"})
     d = Checkpoints()
     layout = r.get(c, "layout", path, fields.LAYOUT, d.layout)
     pattern = r.get(c, "pattern", path, STR, d.pattern)
@@ -155,6 +160,10 @@ def checkpoints(r: Reader, raw: object, path: str) -> Checkpoints:
         if "dir" not in c:
             raise r.fail(f"{path}.dir", "the local folder a remote snapshot is pulled into "
                          "(checkpoints.remote is set)", MISSING)
+    on_pull_failure = r.get(c, "on_pull_failure", path, STR, d.on_pull_failure)
+    if on_pull_failure not in ("stop", "retire"):
+        raise r.fail(f"{path}.on_pull_failure", "stop or retire (what a launch does when "
+                     "the pull from checkpoints.remote fails)", on_pull_failure)
     return Checkpoints(
         dir=r.get(c, "dir", path, STR, None),
         layout=layout,
@@ -166,6 +175,7 @@ def checkpoints(r: Reader, raw: object, path: str) -> Checkpoints:
         verify=r.get(c, "verify", path, "true or false", d.verify),
         verify_timeout=r.get(c, "verify_timeout", path, DUR, d.verify_timeout),
         remote=remote,
+        on_pull_failure=on_pull_failure,
     )
 
 

@@ -61,10 +61,6 @@ def _config(tmp: Path, seed: int) -> dict[str, Any]:
                 "checkpoints": {"dir": str(tmp / "ckpt"), "pattern": "step_{step}.npz"},
                 "heartbeat": {"timeout": HANG_TIMEOUT},
                 "gpus": {"devices": [0, 1, 2, 3], "min": 2},
-                # Resume from a checkpoint at least 10 steps before a loss anomaly's
-                # onset (PaLM went back ~100): the one taken just before the spike
-                # is quarantined too.
-                "anomalies": {"margin": SPIKE_MARGIN},
             }
         ],
         # Four simulated GPUs; their Xids come from the drill (kmsg off: not this host's).
@@ -74,6 +70,10 @@ def _config(tmp: Path, seed: int) -> dict[str, Any]:
                 "max_restarts": 5,
                 "backoff": {"initial": "0.5s", "factor": 2, "max": "2s", "jitter": 0.1},
                 "kill_grace": "5s",
+                # Resume from a checkpoint at least 10 steps before a loss anomaly's
+                # onset (PaLM went back ~100): the one taken just before the spike
+                # is quarantined too.
+                "rollback": {"before": SPIKE_MARGIN},
             }
         },
     }

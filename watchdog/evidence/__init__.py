@@ -13,6 +13,9 @@ loop. Into the incident's folder (``show.folder``:
 - ``flight-recorder/``: PyTorch's flight-recorder dumps, triggered through its
   dump pipes and copied (``flightrecorder.py``, which also gives the job's
   environment settings);
+- ``series.json``: for a loss anomaly (whatever ``evidence.kinds`` says), the
+  lead rank's loss and grad norm around the onset, written as the incident is
+  recorded (``series.py``);
 - ``evidence.json``: the summary: per target its process state, CPU time and
   how py-spy fared; the verdict from the stacks
   (``trainwatch.detectors.stacks``); the seconds spent; the files.

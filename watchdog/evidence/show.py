@@ -1,5 +1,7 @@
 """``trainwatch incidents --show N``: one incident and the evidence kept
-beside it (``folder``), as text: the ledger row, the verdict from the stacks
+beside it (``folder``), as text: the ledger row; what a rollback did (its skip
+window, widening, quarantined checkpoints, whether the skip is exact); the
+loss and grad norm around a loss anomaly's onset; the verdict from the stacks
 and which evidence decided, the rank named, the process states, each rank's
 main-thread stack, the log tail and the files.
 """
@@ -12,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from trainwatch.detectors.stacks import frames, main_thread
+from trainwatch.evidence import series
 from trainwatch.evidence.capture import SUMMARY
 from trainwatch.evidence.pyspy import frame
 from trainwatch.state.atomic import read_json
 
 ROW_FIELDS = ("job", "kind", "rank", "gpu", "action", "decision", "attempt", "observe_only",
               "injected", "detection_latency_s", "resumed_from", "resumed_step", "steps_lost")
+ROLLBACK = "rollback"  # the evidence key actions/rollback.py records what it did under
 MAX_FRAMES = 15  # per rank; deeper frames are counted, not printed
 LOG_LINES = 20
 
@@ -46,11 +50,51 @@ def _head(row: dict[str, Any]) -> list[str]:
     out = [f"incident {row.get('id', '?')} at {stamp}"]
     out += [f"  {k}: {row[k]}" for k in ROW_FIELDS if row.get(k) is not None]
     ev = _evidence(row)
+    ev.pop(ROLLBACK, None)  # shown on its own (_rollback)
     if ev:
         out.append("  evidence:")
         out += [f"    {k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}"
                 for k, v in sorted(ev.items())]
     return out
+
+
+def _steps(steps: object, count: object) -> str:
+    shown = [str(s) for s in steps] if isinstance(steps, list) else []
+    n = count if isinstance(count, int) else len(shown)
+    more = f" and {n - len(shown)} more" if n > len(shown) else ""
+    return f"{n} checkpoint(s): steps {', '.join(shown)}{more}" if n else "none"
+
+
+def _rollback(row: dict[str, Any]) -> list[str]:
+    """What a rollback past a loss anomaly did (actions/rollback.py apply)."""
+    rb = _evidence(row).get(ROLLBACK)
+    if not isinstance(rb, dict):
+        return []
+    w, prev = rb.get("window") or ["?", "?"], rb.get("previous_window")
+    how = (f"widening {rb.get('widening')} of {rb.get('max_widenings')} of the window "
+           f"{prev[0]}-{prev[1]}" if isinstance(prev, list) and len(prev) == 2
+           else "the anomaly's first rollback")
+    resume = rb.get("resume_step")
+    return ["rollback:",
+            f"  skip window: steps {w[0]}-{w[1]} ({how}), TRAINWATCH_SKIP_STEPS={w[0]}:{w[1]}",
+            f"  resume: {'from scratch' if resume is None else f'from step {resume}'} "
+            f"(the newest good checkpoint before step {rb.get('resume_before')})",
+            f"  quarantined (kept on disk, never resumed from): "
+            f"{_steps(rb.get('quarantined'), rb.get('quarantined_count'))}",
+            f"  skip: {rb.get('skip')}: {rb.get('skip_why')}",
+            f"  restart budget: {rb.get('budget')}"]
+
+
+def _absent(row: dict[str, Any], where: Path) -> str:
+    """Why there are no stacks and log tail: never captured (the kind is not in
+    the job's evidence.kinds, or nothing was left to capture), or lost."""
+    if (where / SUMMARY).exists():
+        return f"process evidence unreadable: {where / SUMMARY}"
+    kept = [x for x, there in (("the rollback", _evidence(row).get(ROLLBACK) is not None),
+                               ("the loss series", (where / series.NAME).exists())) if there]
+    what = f"kept: {' and '.join(kept)}; " if kept else ""
+    return (f"{what}stacks and log tail: none kept for this {row.get('kind')} (captured only "
+            "for the kinds in the job's evidence.kinds, before a kill)")
 
 
 def _verdict(s: dict[str, Any]) -> list[str]:
@@ -118,10 +162,12 @@ def _files(where: Path) -> list[str]:
 
 def render(row: dict[str, Any], folder: Path) -> str:
     """The incident and its evidence, as text."""
-    out = _head(row)
+    out = _head(row) + _rollback(row) + series.render(folder)
     s = read_json(folder / SUMMARY)
     if not isinstance(s, dict):
-        out.append(f"no evidence captured ({folder / SUMMARY} is absent or unreadable)")
+        out.append(_absent(row, folder))
+        if folder.is_dir():
+            out += _files(folder)
         return "\n".join(out)
     spent = f"captured in {s.get('seconds')} s"
     if s.get("deadline_hit"):

@@ -77,6 +77,14 @@ class Events:
                                   registry=r)
         self.steps_lost = Counter("trainwatch_job_steps_lost",
                                   "Steps redone after relaunches.", ["job"], registry=r)
+        self.rollbacks = Counter("trainwatch_job_rollbacks",
+                                 "Rollbacks past a loss anomaly, by whether the skip window is "
+                                 "exact (the job's data order is a function of the step), "
+                                 "approximate, or unverified (the job did not say).",
+                                 ["job", "skip"], registry=r)
+        self.skipped_steps = Counter("trainwatch_job_rollback_skipped_steps",
+                                     "Steps whose data relaunches skip after rollbacks (a "
+                                     "widening adds the steps it adds).", ["job"], registry=r)
         self.deletions = Counter("trainwatch_job_checkpoints_deleted",
                                  "Checkpoints retention deleted (outcome deleted) or tried "
                                  "to (failed).", ["job", "outcome"], registry=r)
@@ -97,6 +105,9 @@ class Events:
         self.detection.labels(job)
         self.relaunch.labels(job)
         self.steps_lost.labels(job)
+        for skip in ("exact", "approximate", "unverified"):
+            self.rollbacks.labels(job, skip)
+        self.skipped_steps.labels(job)
         self.seconds_lost.labels(job)
         for outcome in ("deleted", "failed"):
             self.deletions.labels(job, outcome)

@@ -30,6 +30,16 @@ a device sync. ``on_save`` (trainer.py:2278) comes right after
 ``_save_checkpoint`` wrote ``trainer_state.json`` last (trainer.py:3409), so
 ``<output_dir>/checkpoint-N`` is complete on the main process when reported.
 
+Data order (``client.data_order``), said once at ``on_train_begin``: "step"
+with the defaults. The Trainer's RandomSampler becomes accelerate's
+``SeedableRandomSampler`` (``use_seedable_sampler``, on by default), seeded
+with ``data_seed`` or ``seed`` plus the epoch (``set_epoch``, trainer.py:1851),
+and a resumed run skips the epoch's trained batches (``skip_first_batches``,
+trainer.py:1844). "unknown" when ``ignore_data_skip`` is set, the seedable
+sampler is off, the sampling strategy is another (group_by_length,
+batch_rebalance: not checked), the dataset has no length (an iterable one
+keeps its own order), or a subclass builds its own loader.
+
 Skip window: for a step in it the wrapped ``training_step`` returns a zero loss
 without forward or backward. Gradients are then None (``model.zero_grad()``
 sets them so after every step), so ``optimizer.step()`` changes no parameter
@@ -58,6 +68,33 @@ TRAINER_STATE = "trainer_state.json"  # transformers.trainer.TRAINER_STATE_NAME,
 def resume_from() -> str | None:
     """For ``trainer.train(resume_from_checkpoint=...)``: TRAINWATCH_RESUME_FROM or None."""
     return client.resume_from()
+
+
+def data_order(trainer: Any) -> tuple[str, str]:
+    """How this Trainer's train data follows its step: (order, why); see the
+    module docstring."""
+    base, args = _transformers.Trainer, trainer.args
+    own = [m for m in ("get_train_dataloader", "_get_train_sampler")
+           if getattr(type(trainer), m, None) is not getattr(base, m, None)]
+    if own:
+        return "unknown", f"{type(trainer).__name__} overrides {own[0]}"
+    if getattr(args, "ignore_data_skip", False):
+        return "unknown", "ignore_data_skip=True: a resumed run does not skip the trained batches"
+    ds = trainer.train_dataset
+    if not hasattr(ds, "__len__"):
+        return "unknown", (f"an iterable dataset ({type(ds).__name__}): the Trainer skips the "
+                           "trained batches on resume, exact only if it yields the same "
+                           "sequence every run")
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy not in ("random", "sequential"):
+        return "unknown", f"train_sampling_strategy={strategy} (not checked)"
+    config = getattr(args, "accelerator_config", None)
+    if strategy == "random" and not getattr(config, "use_seedable_sampler", True):
+        return "unknown", ("accelerator_config.use_seedable_sampler=False: the shuffle is "
+                           "not seeded by epoch")
+    seed = args.data_seed if getattr(args, "data_seed", None) is not None else args.seed
+    return "step", (f"the Trainer orders each epoch by seed {seed} and the epoch, and skips "
+                    "the epoch's trained batches on resume")
 
 
 def _find_trainer() -> Any:
@@ -120,6 +157,9 @@ class TrainwatchCallback(_transformers.TrainerCallback):  # type: ignore[misc]
         if trainer is not None:
             self.trainer = trainer
             self._instrument(trainer)
+            if state.is_world_process_zero:
+                order, why = data_order(trainer)
+                self.hb.data_order(order, why, step=int(state.global_step))
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = int(state.global_step)

@@ -27,6 +27,18 @@ Where the values come from (lightning 2.6.6, ``lightning/pytorch``):
 
 Values are read without a device sync (trainwatch.integrations.torch.Reporter).
 
+Data order (``client.data_order``), said once at ``on_train_start``, after
+Lightning restored the checkpoint and set the loaders up: "step" when every
+train loader is stateful (``state_dict``/``load_state_dict``, e.g. torchdata's
+``StatefulDataLoader``: fit_loop.py saves its state with the checkpoint and
+restores it; training_epoch_loop.py ``reset`` calls such loaders resumable);
+"epoch-seeded" when each epoch's order is fixed (a SequentialSampler, or a
+seeded sampler that fit_loop.py ``_set_sampler_epoch`` tells its epoch): a
+resume then starts the epoch over from its first batch, so a skip is exact only
+from a checkpoint at an epoch end; otherwise "unknown" (an ordinary shuffled
+``DataLoader``: every run draws its own order, and a resumed run trains other
+batches than the steps the skip window names).
+
 Skip window: for a step in it the wrapped ``training_step`` returns None;
 Lightning then runs no backward and ``optimizer.step()`` finds no gradients,
 so nothing changes, while ``global_step`` still advances
@@ -43,11 +55,37 @@ import sys
 from typing import Any
 
 from trainwatch import client
-from trainwatch.integrations.torch import Reporter, in_window, skip_window
+from trainwatch.integrations.torch import Reporter, in_window, sampler_order, skip_window
 
 __all__ = ["TrainwatchCallback", "resume_from"]
 
 _pl: Any = importlib.import_module("lightning.pytorch")
+
+
+def _stateful(loader: Any) -> bool:
+    return all(callable(getattr(loader, m, None)) for m in ("state_dict", "load_state_dict"))
+
+
+def data_order(trainer: Any) -> tuple[str, str, int | None]:
+    """How the trainer's train loaders follow its step: (order, why, optimizer
+    steps per epoch or None); see the module docstring."""
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = list(getattr(combined, "flattened", None) or [])
+    if not loaders:
+        return "unknown", "no train dataloader found at on_train_start", None
+    if all(_stateful(x) for x in loaders):
+        return "step", ("every train loader is stateful (state_dict/load_state_dict): "
+                        "Lightning restores its position from the checkpoint"), None
+    said = [sampler_order(x) for x in loaders]
+    odd = next((why for order, why in said if order != "epoch-seeded"), None)
+    if odd is not None:
+        return "unknown", f"{odd}; the loader is not stateful", None
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int) or batches <= 0:
+        return "unknown", f"{said[0][1]}, but the epoch's length is not known", None
+    per = -(-batches // max(1, int(trainer.accumulate_grad_batches)))
+    return "epoch-seeded", (f"{said[0][1]}; the loader is not stateful, so a resume starts "
+                            "its epoch over"), per
 
 
 def resume_from() -> str | None:
@@ -102,6 +140,9 @@ class TrainwatchCallback(_pl.Callback):  # type: ignore[misc]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._last_step = int(trainer.global_step)
+        if trainer.is_global_zero:
+            order, why, per = data_order(trainer)
+            self.hb.data_order(order, why, per, step=self._last_step)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from trainwatch import client
 
-__all__ = ["Reporter", "Watch", "in_window", "skip_window"]
+__all__ = ["Reporter", "Watch", "in_window", "sampler_order", "skip_window"]
 
 T = TypeVar("T")
 Sender = client.Heartbeat | client.NullHeartbeat
@@ -53,6 +53,32 @@ def skip_window() -> tuple[int, int] | None:
 
 def in_window(step: int, window: tuple[int, int] | None) -> bool:
     return window is not None and window[0] <= step <= window[1]
+
+
+def sampler_order(loader: Any) -> tuple[str, str]:
+    """How a torch ``DataLoader``'s sampler orders an epoch, for
+    ``client.data_order``: ("epoch-seeded", why) when every epoch's order is
+    fixed by the epoch (sequential, or a seeded sampler told its epoch with
+    ``set_epoch``), else ("unknown", why). Whether a resume then lands on the
+    right batch is the caller's to judge (a stateful loader, the framework's
+    fast-forward). Duck-typed: torch is not imported."""
+    dataset = getattr(loader, "dataset", None)
+    if dataset is not None and not hasattr(dataset, "__len__") and hasattr(dataset, "__iter__"):
+        return "unknown", f"an iterable dataset ({type(dataset).__name__}): its order is its own"
+    batches = getattr(loader, "batch_sampler", None)
+    sampler: Any = getattr(batches, "sampler", None) or getattr(loader, "sampler", None)
+    kind = type(sampler).__name__
+    if kind == "SequentialSampler":
+        return "epoch-seeded", "a SequentialSampler (shuffle=False): the same order every epoch"
+    if callable(getattr(sampler, "set_epoch", None)) and hasattr(sampler, "seed"):
+        return "epoch-seeded", f"a {kind} seeded with {sampler.seed} and told its epoch"
+    if kind == "RandomSampler" and getattr(sampler, "generator", None) is None:
+        return "unknown", ("a RandomSampler without a generator (shuffle=True): every run "
+                           "draws its own order")
+    if kind == "RandomSampler":
+        return "unknown", ("a RandomSampler with a generator: its state is not restored on "
+                           "resume, so a resumed epoch is ordered differently")
+    return "unknown", f"a {kind or 'loader'} that trainwatch cannot tell is seeded by epoch"
 
 
 def _is_tensor(x: object) -> bool:
@@ -156,6 +182,16 @@ class Watch:
         self.reporter = Reporter(self.hb)
         self.window = skip_window()
         self.skipped: list[int] = []  # steps passed through by steps() in this process
+        self.order_said = False
+
+    def data_order(self, order: str, why: str = "", epoch_steps: int | None = None,
+                   step: int = 0) -> bool:
+        """Say whether the batch of step k is a function of k ("step" when the
+        loop draws batch k from a sampler seeded by k or from a loader whose state
+        it saves and restores with the checkpoint), so that a rollback's skip is
+        recorded as exact or approximate (client.Heartbeat.data_order)."""
+        self.order_said = True
+        return self.hb.data_order(order, why, epoch_steps, step)
 
     def step(self, step: int, loss: Any = None, grad_norm: Any = None) -> None:
         """``step`` finished (after optimizer.step()); loss and grad norm as
@@ -180,7 +216,13 @@ class Watch:
         """Number ``batches`` as steps from ``first`` (``per_step`` micro-batches
         each) and yield (step, batch) for the steps to train. A step in the
         skip window has its batches drawn and dropped and is beaten without
-        values; the loop never sees it."""
+        values; the loop never sees it. A DataLoader that shuffles without a
+        seed per epoch is reported as such (data_order "unknown") unless the
+        loop said otherwise with data_order()."""
+        if not self.order_said and hasattr(batches, "sampler"):
+            order, why = sampler_order(batches)
+            if order == "unknown":
+                self.data_order(order, why, step=first - 1)
         for i, batch in enumerate(batches):
             step = first + i // per_step
             if not self.skips(step):

@@ -1,5 +1,5 @@
 """The heartbeat source: an AF_UNIX datagram socket that turns the job's
-messages into Beat and CheckpointReport observations.
+messages into Beat, CheckpointReport and DataOrder observations.
 
 Who can reach it: the socket file is 0600 and owned by the job's user, in a
 folder only trainwatch can write to, so only that user and root can
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainwatch.state.ownership import private_dir, set_mode
-from trainwatch.types import Beat, CheckpointReport
+from trainwatch.types import DATA_ORDERS, Beat, CheckpointReport, DataOrder
 
 MAX_DATAGRAM = 4096
 INT64_MAX = 2**63 - 1  # steps and ranks beyond this are malformed (SQLite's integer range)
@@ -56,7 +56,8 @@ class Counters:
     judged: int = 0  # calls of believe(): at most one per sender per VERDICT_TTL
 
 
-Observation = Beat | CheckpointReport
+Observation = Beat | CheckpointReport | DataOrder
+MAX_WHY = 300  # characters of a data-order report's reason kept
 Believe = Callable[[int, int], bool]  # (pid, uid) -> is this sender one of the job's?
 
 
@@ -120,6 +121,12 @@ def parse(data: bytes, pid: int, at: float) -> Observation:
         if type(path) is not str or not path or "\0" in path:
             raise ValueError("checkpoint without a usable path")
         return CheckpointReport(step=step, path=path, rank=rank, at=at)
+    if kind == "data":
+        order, why, per = msg.get("order"), msg.get("why", ""), msg.get("epoch_steps")
+        if order not in DATA_ORDERS or type(why) is not str:
+            raise ValueError("a data order without a known order")
+        return DataOrder(order=str(order), why=why[:MAX_WHY], step=step, rank=rank, at=at,
+                         epoch_steps=None if per is None else _int(per) or None)
     raise ValueError("unknown kind")
 
 
