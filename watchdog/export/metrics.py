@@ -38,6 +38,7 @@ from trainwatch.export.families import gauge as _gauge
 from trainwatch.export.jobusage import JobUsageCollector
 from trainwatch.export.metricsserver import MetricsServer
 from trainwatch.state import statewrites
+from trainwatch.state.catalog import REFUSALS
 from trainwatch.types import DETECTED_KINDS, JobState
 
 if TYPE_CHECKING:
@@ -92,6 +93,11 @@ class Events:
                                     "Launches from scratch although checkpoints were on disk "
                                     "(none was judged good) or pulling the newest snapshot "
                                     "from the remote store failed.", ["job"], registry=r)
+        self.reports_refused = Counter(
+            "trainwatch_job_checkpoint_reports_refused",
+            "Checkpoint reports from the job refused, by reason: outside_dir (not in "
+            "checkpoints.dir), not_named (not a name its layout gives that step), "
+            "quarantined, path_too_long.", ["job", "reason"], registry=r)
         self.seconds_lost = Counter("trainwatch_job_seconds_lost",
                                     "Seconds lost to faults: onset to the relaunch's first "
                                     "heartbeat, plus redoing the lost steps.", ["job"],
@@ -112,6 +118,8 @@ class Events:
         for outcome in ("deleted", "failed"):
             self.deletions.labels(job, outcome)
         self.fresh_starts.labels(job)
+        for reason in REFUSALS:
+            self.reports_refused.labels(job, reason)
 
 
 class StateCollector(Collector):

@@ -1,0 +1,55 @@
+"""Checkpoint reports the catalog refused (state/catalog.py ``REFUSALS``): each
+one counted by its reason (``trainwatch_job_checkpoint_reports_refused_total``),
+the first of each reason said in one line naming the configured folder, and the
+newest kept, so that a launch from scratch can say what the job reported
+(actions/fresh.py): a mistyped ``checkpoints.dir`` refuses every report."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from trainwatch.types import CheckpointReport
+
+if TYPE_CHECKING:
+    from trainwatch.job import JobRunner
+
+log = logging.getLogger("trainwatch")
+
+_WHY = {
+    "outside_dir": "not in checkpoints.dir {dir}",
+    "not_named": "not a name its layout gives that step",
+    "quarantined": "a quarantined step, from an attempt being stopped",
+    "path_too_long": "a path too long",
+}
+
+
+@dataclass
+class Refusals:
+    """A job's refused reports, every attempt."""
+
+    count: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+    last: tuple[int, str] | None = None  # the newest refused (step, path)
+
+    def said(self) -> str:
+        """``3 refused (outside_dir: 3), the newest step 6: /x/step_6.pt``."""
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.by_reason.items()))
+        newest = f", the newest step {self.last[0]}: {self.last[1]:.200}" if self.last else ""
+        return f"{self.count} refused ({reasons}){newest}"
+
+
+def refused(r: JobRunner, obs: CheckpointReport) -> None:
+    """The catalog refused ``obs`` (its reason in ``r.catalog.refusal``)."""
+    reason = r.catalog.refusal or "not_named"
+    rf = r.refused
+    rf.count += 1
+    rf.by_reason[reason] = rf.by_reason.get(reason, 0) + 1
+    rf.last = (obs.step, obs.path)
+    r.events.reports_refused.labels(r.job.name, reason).inc()
+    if rf.by_reason[reason] == 1:  # the first of each reason; the rest are counted
+        why = _WHY.get(reason, reason).format(dir=r.catalog.spec.dir)
+        log.warning("job %s: refused a checkpoint report (%s): step %d, %.200s; every "
+                    "refused report is counted (trainwatch_job_checkpoint_reports_refused_total)",
+                    r.job.name, why, obs.step, obs.path)
