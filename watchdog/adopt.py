@@ -132,7 +132,9 @@ def _adopt_attempt(r: JobRunner, rt: runtime.Runtime) -> bool:
     r.attempt = a
     r.outages.started(a.started)
     r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
-    r.intake.new_attempt(a.ring_dir)
+    # One that ended unwatched: its rings still hold the steps it reached (its
+    # last_step saved here is from the last state change, often step 1).
+    r.intake.new_attempt(a.ring_dir, ended=a.poll_exit() is not None)
     logwatch.follow(r, a, from_end=True)
     if a.pidfd is not None:
         r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)

@@ -58,6 +58,7 @@ class Intake:
         self.socket = HeartbeatSocket(path, believe, clock, owner=owner)
         self.poller = BeatPoller(self.socket, selector, self._drain_socket, clock)
         self.ring_dir: str | None = None
+        self._ended = False  # the attempt's processes are gone: see new_attempt
         self.readers: dict[str, ring.RingReader] = {}
         self.refused: set[str] = set()  # ring files not believed or not rings
         self.max_rings = max_rings
@@ -155,9 +156,11 @@ class Intake:
                 except (ring.RingError, OSError) as e:
                     why = str(e)
             # The pid is the writer's claim, not the kernel's word (as a datagram's
-            # sender is): no exemption for root, the pid must be in the tree.
+            # sender is): no exemption for root, the pid must be in the tree. An
+            # attempt that ended unwatched has no tree left to prove it: its own
+            # folder (its user's alone) speaks only of that user's job.
             if rd is not None and (rd.rank != rank or rd.pid != pid
-                                   or not self.believe(pid, _NO_UID)):
+                                   or not (self._ended or self.believe(pid, _NO_UID))):
                 why = f"pid {pid} is not one of the job's processes"
                 rd.close()
                 rd = None
@@ -184,11 +187,12 @@ class Intake:
             return poll
         return self._ring_poll_at if poll is None else min(poll, self._ring_poll_at)
 
-    def new_attempt(self, ring_dir: str | None) -> None:
-        """The attempt's processes are the ones to believe now, its rings the ones to read."""
+    def new_attempt(self, ring_dir: str | None, ended: bool = False) -> None:
+        """The attempt's processes are the ones to believe now, its rings the ones to read.
+        ``ended``: an adopted attempt that ended while no daemon watched (adopt.py)."""
         self.socket.forget_senders()
         self._close_rings()
-        self.ring_dir, self._dir_seen = ring_dir, None
+        self.ring_dir, self._dir_seen, self._ended = ring_dir, None, ended
 
     def end_attempt(self) -> None:
         """Its processes are gone: nothing more to read."""

@@ -5,12 +5,13 @@ the attempt's processes; and the accounting of the relaunch after a fault
 from __future__ import annotations
 
 import logging
+import os
 import selectors
 import statistics
 from typing import TYPE_CHECKING
 
 from trainwatch import anomalies, logwatch, respond
-from trainwatch.actions import evidence, pull, verify
+from trainwatch.actions import attemptfiles, evidence, pull, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
@@ -119,6 +120,7 @@ def launch(r: JobRunner, reason: str) -> None:
     if gpus is not None:
         where += f", GPUs {','.join(map(str, gpus))}"
     r.to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
+    attemptfiles.sweep(os.path.dirname(r.socket_path), a.log_path, r.job.name, a.number)
     if r.pending_incident is not None:
         # The faulted attempt reached `reached`; this one starts over at cp. A job
         # that has never beaten has told nothing of its steps: unknown, not 0.
