@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import os
 import pwd
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from conftest import local_user, need_root
 from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints
 from trainwatch.evidence import flightrecorder
+from trainwatch.layouts import megatron
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
 from trainwatch.state import ondisk
@@ -139,14 +141,23 @@ def _megatron(root: Path) -> None:
     it = root / "iter_0000010"
     it.mkdir(parents=True)
     (it / "metadata.json").write_text("{}")
-    os.mkfifo(root / "latest_checkpointed_iteration.txt", 0o644)
+    os.mkfifo(root / megatron.TRACKER, 0o644)
 
 
-def test_a_tracker_file_whose_read_blocks_costs_that_job_its_verdict_not_the_caller(
-        open_tmp: Path) -> None:
-    """Megatron's tracker made a FIFO: the catalog answers within its deadline, with
-    no checkpoint good, and another job's catalog is untouched."""
+def _blocking_tracker(root: Path | str) -> int | None:
+    """A tracker read that blocks, as the old reader's did on a link to /proc/kmsg:
+    a plain open() of a FIFO waits for a writer that never comes."""
+    with open(os.path.join(root, megatron.TRACKER), "rb") as f:
+        return int(f.read())
+
+
+def test_a_tracker_read_that_blocks_costs_that_job_its_verdict_not_the_caller(
+        open_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron's tracker read blocks forever in one job's hand: its catalog answers at
+    the hand's deadline with no checkpoint good, at once while the hand cools down,
+    and another job's catalog is untouched."""
     ident = _user()
+    monkeypatch.setattr(megatron, "tracker", _blocking_tracker)  # inherited by the fork
     bad, good = open_tmp / "bad", open_tmp / "good"
     _megatron(bad)
     good.mkdir()
@@ -163,6 +174,7 @@ def test_a_tracker_file_whose_read_blocks_costs_that_job_its_verdict_not_the_cal
         t0 = time.monotonic()
         assert cat_bad.last_good() is None
         assert time.monotonic() - t0 < 30
+        assert hands[0].counts["timeouts"] == 1
         t1 = time.monotonic()
         assert cat_bad.last_good() is None  # cooling down: at once
         assert time.monotonic() - t1 < 1.0
@@ -171,6 +183,19 @@ def test_a_tracker_file_whose_read_blocks_costs_that_job_its_verdict_not_the_cal
     finally:
         for h in hands:
             h.close()
+
+
+def test_a_tracker_that_links_to_proc_kmsg_is_not_read(open_tmp: Path) -> None:
+    """The second line, in any process: a tracker that is a link (to /proc/kmsg, whose
+    read blocks and consumes the kernel's messages) is never opened."""
+    root = open_tmp / "ckpt"
+    root.mkdir()
+    (root / megatron.TRACKER).symlink_to("/proc/kmsg")
+    got: list[int | None] = []
+    t = threading.Thread(target=lambda: got.append(megatron.tracker(root)), daemon=True)
+    t.start()
+    t.join(30)
+    assert got == [None]
 
 
 def test_a_checkpoint_that_is_a_symlink_is_not_hashed_through_it(open_tmp: Path) -> None:

@@ -6,15 +6,17 @@ and torch is never imported."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 import struct
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,21 @@ class Found:
 _MAX_HEADER = 100 * 1024 * 1024
 # Small control files (trackers, JSON state) are read whole only below this size.
 MAX_SMALL = 16 * 1024 * 1024
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``path`` opened for reading only if it is a regular file itself: never
+    through a link (a tracker pointing at /proc/kmsg), never a FIFO or device,
+    and O_NONBLOCK so that no open or read waits (the job's hand has a deadline
+    too; this is the second line). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def size(path: str) -> int | None:
@@ -52,10 +69,11 @@ def torch_archive(path: str) -> str | None:
     if n == 0:
         return f"{os.path.basename(path)} empty"
     try:
-        if not zipfile.is_zipfile(path):
-            return f"{os.path.basename(path)} truncated (no zip directory)"
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
+        with open_regular(path) as f:
+            if not zipfile.is_zipfile(f):
+                return f"{os.path.basename(path)} truncated (no zip directory)"
+            with zipfile.ZipFile(f) as z:
+                names = z.namelist()
     except (OSError, zipfile.BadZipFile, ValueError, EOFError):
         return f"{os.path.basename(path)} unreadable zip"
     if not any(name.endswith("data.pkl") for name in names):
@@ -72,7 +90,7 @@ def safetensors_file(path: str) -> str | None:
     if n is None:
         return f"{name} missing"
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             head = f.read(8)
             if len(head) < 8:
                 return f"{name} truncated"
@@ -110,7 +128,7 @@ def json_file(path: str) -> tuple[Any, str | None]:
     if n > MAX_SMALL:
         return None, f"{name} too large"
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return json.loads(f.read()), None
     except (OSError, ValueError, UnicodeDecodeError):
         return None, f"{name} partial or not JSON"
@@ -122,7 +140,7 @@ def small_text(path: str) -> str | None:
     if n is None or n > 4096:
         return None
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return f.read().decode("ascii").strip()
     except (OSError, UnicodeDecodeError):
         return None

@@ -28,7 +28,7 @@ import pickletools
 from pathlib import Path
 from typing import Any
 
-from trainwatch.layouts.base import Found, basename_step, scan_dirs, size, step_regex
+from trainwatch.layouts.base import Found, basename_step, open_regular, scan_dirs, size, step_regex
 
 METADATA = ".metadata"  # filesystem.py _metadata_fn
 RANK0_METADATA = "__0.metadata"  # use_collectives=False
@@ -50,7 +50,7 @@ def shard_extents(path: str) -> dict[str, int] | None:
     if n is None or n > _MAX_METADATA:
         return None
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             data = f.read()
     except OSError:
         return None
