@@ -65,6 +65,7 @@ class Intake:
         self.ring_values = 0  # records read from rings, every attempt
         self.rings_opened = 0  # rings read, every attempt
         self.rings_refused = 0  # ring files not believed or not rings, every attempt
+        self.scans_cut = 0  # ring folder scans that stopped at ring.MAX_SCAN names
         self.rings_lapped_before = 0
         self._dir_seen: int | None = None
         self.data_order: DataOrder | None = None  # the job's last word on it
@@ -138,8 +139,15 @@ class Intake:
         return n
 
     def _discover(self, d: str) -> None:
+        cut = ring.scans_cut
         try:
             found = ring.scan(d)
+            if ring.scans_cut != cut:
+                self.scans_cut += 1
+                if self.scans_cut == 1:
+                    log.warning("job %s: %s holds more than %d names: only the first are "
+                                "looked at (counted in trainwatch_job_folder_limits_hit_total)",
+                                self.job, d, ring.MAX_SCAN)
         except OSError as e:
             log.warning("job %s: cannot list %s: %s", self.job, d, e.strerror or e)
             return

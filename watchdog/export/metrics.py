@@ -32,7 +32,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from trainwatch import __version__
-from trainwatch.export import gpumetrics
+from trainwatch.export import gpumetrics, handmetrics
 from trainwatch.export.families import counter as _counter
 from trainwatch.export.families import gauge as _gauge
 from trainwatch.export.jobusage import JobUsageCollector
@@ -144,6 +144,7 @@ class StateCollector(Collector):
         try:
             yield from self._sources()
             yield from gpumetrics.families(self.sup)
+            yield from handmetrics.families(self.sup.runners)
             yield from self._jobs()
         finally:
             self.sup.lock.release()

@@ -75,7 +75,8 @@ def refresh_in_hand(key: str, layout: bytes | None, root: str | None,
     child.kept.pop("truncated", None)
     cut = ondisk.names_cut
     changed = disk.refresh(force or fresh)
-    if ondisk.names_cut != cut:
+    names_cut = ondisk.names_cut != cut
+    if names_cut:
         child.kept["truncated"] = f"over {ondisk.MAX_NAMES} names"
     recognised = getattr(disk.layout, "found", None)
     return {
@@ -87,6 +88,7 @@ def refresh_in_hand(key: str, layout: bytes | None, root: str | None,
         "dropped": [s for s in changed if s not in disk.paths],
         "listed": disk.listings - listings,
         "truncated": child.kept.pop("truncated", None),
+        "names_cut": names_cut,
         "recognised": getattr(recognised, "name", None),
     }
 
@@ -109,6 +111,8 @@ class HandDisk:
         self.mtimes: dict[int, float] = {}
         self.listings = 0
         self.unanswered = 0  # refreshes the hand did not answer (counted, logged)
+        self.names_cut = 0  # listings that read only the first ondisk.MAX_NAMES names
+        self.truncated = 0  # listings that kept only the newest MAX_CHECKPOINTS
         self.why_unanswered: str | None = None
         self._changes: list[tuple[str, int, str | None]] = []
         self._shipped: bytes | None = None
@@ -189,6 +193,10 @@ class HandDisk:
                 self.mtimes[int(s)] = float(m)
         changed.update(int(s) for s in reply.get("dropped") or [] if isinstance(s, int))
         truncated = reply.get("truncated")
+        if reply.get("names_cut"):
+            self.names_cut += 1
+        elif truncated:
+            self.truncated += 1
         if truncated and not self._truncated_said:
             self._truncated_said = True
             log.error("%s: %s: %s checkpoints or names: only the newest %d checkpoints are "
