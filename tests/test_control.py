@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ServedControl, Workspace, missing, need_root
+from conftest import ServedControl, Workspace, missing, need_root, wait_for
 from trainwatch.control import (
     MAX_REQUEST,
     ControlError,
@@ -266,6 +266,88 @@ def test_handler_exception_is_one_line_and_the_server_lives_on(
     assert reply["error"] == "boom: exploded with a second line"
     assert served.sock.counters.failed == 1
     assert request(run_dir, "gpu-lost", {"gpu": 2}) == {"ok": True, "done": "gpu-lost"}
+
+
+def test_clients_that_never_read_their_replies_do_not_silence_the_others(
+    served: Served, run_dir: str
+) -> None:
+    """500 requests each from a connected and an unbound-reply client that never read:
+    the next request() is still answered (replies leave from sockets of their own)."""
+    path = control_path(run_dir)
+    ping = b'{"v": 1, "op": "ping"}'
+    with _client() as loose, _client() as connected:
+        connected.connect(path)
+        for _ in range(500):
+            loose.sendto(ping, path)
+            connected.send(ping)
+        wait_for(lambda: served.sock.counters.requests >= 1000, what="1000 requests read")
+        assert request(run_dir, "ping", {}) == {"ok": True, "done": "ping"}
+
+
+def test_a_sender_past_its_rate_is_dropped_unread_and_logged_once(
+    run_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """400 requests at one instant from uid 65534: a burst of 200 served, 200 dropped
+    without reaching the handler, one log line."""
+    _require_root()
+    caplog.set_level("WARNING", logger="trainwatch")
+    calls: Calls = []
+    served = ServedControl(ControlSocket(run_dir, _recorder(calls), group="tw-no-such-group",
+                                         clock=lambda: 1000.0))  # time stands still
+    try:
+        os.chmod(run_dir, 0o755)
+        pid = os.fork()
+        if pid == 0:  # uid 65534, from an unbound socket (nowhere to answer)
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                    for _ in range(400):
+                        s.sendto(b'{"v": 1, "op": "status"}', control_path(run_dir))
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        c = served.sock.counters
+        wait_for(lambda: c.requests == 400, what="400 requests read")
+        assert (c.throttled, len(calls)) == (200, 200)
+    finally:
+        served.stop()
+    lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(lines) == 1 and f"uid {NOBODY}" in lines[0], lines
+
+
+def test_a_reply_not_from_the_socket_files_owner_is_ignored(run_dir: str) -> None:
+    """A socket file root owns, answered by a uid-65534 process: request() believes
+    no reply from it (the kernel names the sender) and times out in one line."""
+    _require_root()
+    os.chmod(run_dir, 0o777)
+    path = control_path(run_dir)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a stranger answering in trainwatch's place
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.bind(path)
+                os.write(w, b"x")
+                s.settimeout(20)
+                _, addr = s.recvfrom(4096)
+                s.sendto(b'{"ok": true, "forged": true}', addr)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"x"
+        os.chown(path, 0, 0)  # as trainwatch's own socket file is
+        with pytest.raises(ControlError, match="no reply within 2s"):
+            request(run_dir, "status", {}, timeout=2)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
 
 
 def test_request_to_a_missing_socket_is_one_line(run_dir: str) -> None:

@@ -12,9 +12,20 @@ Who may ask what is decided per request (access.py): the socket file is mode
 pid, uid and gid to every datagram (SO_PASSCRED). The handler gets that sender
 as an ``access.Peer``: root, the daemon's own user and members of the
 ``trainwatch`` group act on every job, anyone else only on the jobs that run
-as them, and a handler raises ``access.Refused`` for the rest. Because anyone
-may send, the cheap checks come first (credentials, size, JSON) and refusals
-are logged at most once per sender per ``_REFUSED_LOG_EVERY`` seconds.
+as them, and a handler raises ``access.Refused`` for the rest.
+
+Because anyone may send, a flood must stay cheap and must not shut out the
+others: the cheap checks come first (credentials, a per-sender rate for all
+but admins, size, JSON); a sender past its rate is dropped unread and
+unanswered; refusals and drops are logged at most once per sender per
+``_NOTE_EVERY`` seconds. Replies leave from a socket of their own, never the
+listening one: a reply waiting in the queue of a client that never reads is
+charged to the socket that sent it, and on the listening socket a few hundred
+of those would leave no room to answer anyone (EAGAIN). A client therefore
+does not connect() (a connected client's queue is not bounded by
+net.unix.max_dgram_qlen for its peer) and believes a reply only from the
+socket file's owner, as the kernel vouches (SO_PASSCRED).
+
 Refused, malformed and oversized requests are counted and answered with an
 error when there is an address to answer; a handler that raises becomes an
 error reply, never a crash of the loop.
@@ -25,7 +36,6 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -51,8 +61,10 @@ _ANC_SIZE = socket.CMSG_SPACE(_CREDS.size)
 _TRUNC = int(socket.MSG_TRUNC)
 _BATCH = 64  # requests per handle() call, so a flood cannot starve the loop
 _ERROR_MAX = 300  # characters of an error line
-_REFUSED_LOG_EVERY = 10.0  # seconds between log lines of one sender's refusals
-_REFUSED_LOG_MAX = 256  # senders whose last refusal line is remembered
+_NOTE_EVERY = 10.0  # seconds between log lines of one sender's refusals (or drops)
+_SENDERS_MAX = 1024  # senders remembered (rate, last line); all forgotten when full
+_RATE = 100.0  # requests a second from one sender that is not an admin ...
+_BURST = 200.0  # ... after a burst of this many
 
 Handler = Callable[[str, dict[str, Any], Peer], dict[str, Any]]
 
@@ -78,6 +90,7 @@ class ControlError(Exception):
 class Counters:
     requests: int = 0  # datagrams received
     refused: int = 0  # requests the sender had no right to make (access.Refused)
+    throttled: int = 0  # dropped unread: the sender was past its rate
     malformed: int = 0  # not a v1 request, or larger than MAX_REQUEST
     failed: int = 0  # the handler raised
     unanswered: int = 0  # replies that could not be sent (no address, gone, queue full)
@@ -129,7 +142,8 @@ class ControlSocket:
         self.group = group
         self.quiet = quiet
         self.clock = clock
-        self._refusals: dict[int, tuple[float, int]] = {}  # uid -> (logged at, since)
+        self._notes: dict[tuple[int, str], tuple[float, int]] = {}  # -> (logged at, since)
+        self._rates: dict[int, tuple[float, float]] = {}  # uid -> (tokens, at)
         os.makedirs(run_dir, mode=0o755, exist_ok=True)
         if listening(self.path):
             raise SocketInUse(f"{self.path}: another trainwatch is listening here")
@@ -180,6 +194,11 @@ class ControlSocket:
             self._reply(addr, {"ok": False, "error": "not permitted: a request without "
                                                      "credentials"})
             return
+        peer = self.peers.peer(pid, uid, gid)
+        if not self._within_rate(peer):
+            c.throttled += 1
+            self._note(peer, "dropped", f"more than {_RATE:g} requests a second")
+            return
         if flags & _TRUNC:
             c.malformed += 1
             self._reply(addr, {"ok": False,
@@ -191,7 +210,6 @@ class ControlSocket:
             c.malformed += 1
             self._reply(addr, {"ok": False, "error": f"malformed request: {e}"})
             return
-        peer = self.peers.peer(pid, uid, gid)
         try:
             result = self.handler(op, args, peer)
             if not isinstance(result, dict):
@@ -202,7 +220,7 @@ class ControlSocket:
                     json.dumps(args, sort_keys=True, default=str)[:_ERROR_MAX], pid, peer)
         except Refused as e:
             c.refused += 1
-            self._log_refusal(peer, op, str(e))
+            self._note(peer, f"refused {op}", str(e))
             reply = {"ok": False, "error": _one_line(f"{op}: {e}")}
         except Exception as e:
             c.failed += 1
@@ -212,20 +230,33 @@ class ControlSocket:
                                                      f"{op}: {type(e).__name__}")}
         self._reply(addr, reply)
 
-    def _log_refusal(self, peer: Peer, op: str, why: str) -> None:
-        """One line per sender per _REFUSED_LOG_EVERY seconds, saying how many were
-        refused meanwhile: anyone may send, and a flood must not flood the journal."""
+    def _within_rate(self, peer: Peer) -> bool:
+        """A token bucket per uid (_RATE a second, _BURST at once); admins have none."""
+        if peer.admin:
+            return True
         now = self.clock()
-        at, since = self._refusals.get(peer.uid, (float("-inf"), 0))
-        if now - at < _REFUSED_LOG_EVERY:
-            self._refusals[peer.uid] = (at, since + 1)
+        tokens, at = self._rates.get(peer.uid, (_BURST, now))
+        tokens = min(_BURST, tokens + (now - at) * _RATE)
+        if len(self._rates) >= _SENDERS_MAX and peer.uid not in self._rates:
+            self._rates.clear()
+        self._rates[peer.uid] = (tokens - 1 if tokens >= 1 else tokens, now)
+        return tokens >= 1
+
+    def _note(self, peer: Peer, what: str, why: str) -> None:
+        """One line per sender and kind per _NOTE_EVERY seconds, saying how many
+        more there were meanwhile: a flood must not flood the journal."""
+        now = self.clock()
+        key = (peer.uid, what.split(" ", 1)[0])
+        at, since = self._notes.get(key, (float("-inf"), 0))
+        if now - at < _NOTE_EVERY:
+            self._notes[key] = (at, since + 1)
             return
-        if len(self._refusals) >= _REFUSED_LOG_MAX:
-            self._refusals.clear()
-        self._refusals[peer.uid] = (now, 0)
-        more = f" ({since} more refused since the last line)" if since else ""
-        log.warning("control: refused %s from pid %d %s: %s%s", op, peer.pid, peer,
-                    _one_line(why), more)
+        if len(self._notes) >= _SENDERS_MAX:
+            self._notes.clear()
+        self._notes[key] = (now, 0)
+        more = f" ({since} more since the last line)" if since else ""
+        log.warning("control: %s from pid %d %s: %s%s", what, peer.pid, peer, _one_line(why),
+                    more)
 
     def _reply(self, addr: Any, reply: dict[str, Any]) -> None:
         if not addr:  # an unbound sender: nowhere to answer
@@ -239,7 +270,11 @@ class ControlSocket:
             data = json.dumps({"ok": False, "error": f"reply larger than {MAX_REPLY} bytes"}
                               ).encode()
         try:
-            self.sock.sendto(data, addr)
+            # A socket of its own (see the module's docstring); the kernel binds it
+            # to an address of its own, and vouches for our uid to the client.
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                               | socket.SOCK_NONBLOCK) as s:
+                s.sendto(data, addr)
         except OSError:
             # Gone, not listening, or its queue is full: the client times out.
             self.counters.unanswered += 1
@@ -248,6 +283,27 @@ class ControlSocket:
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _reply_from(s: socket.socket, path: str, uid: int, deadline: float,
+                timeout: float) -> bytes:
+    """The first datagram the kernel says uid sent; anyone else's are ignored."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ControlError(f"{path}: no reply within {timeout:g}s (is trainwatch's "
+                               "loop stuck?)")
+        s.settimeout(left)
+        try:
+            raw, anc, _flags, _addr = s.recvmsg(MAX_REPLY, _ANC_SIZE)
+        except TimeoutError:
+            continue
+        except OSError as e:
+            raise ControlError(f"{path}: cannot receive: {e.strerror or e}") from None
+        for level, typ, cdata in anc:
+            if (level, typ) == (socket.SOL_SOCKET, socket.SCM_CREDENTIALS) \
+                    and _CREDS.unpack_from(cdata)[1] == uid:
+                return raw
 
 
 def request(run_dir: str, op: str, args: dict[str, Any],
@@ -261,12 +317,14 @@ def request(run_dir: str, op: str, args: dict[str, Any],
         raise ControlError(f"{op}: request larger than {MAX_REQUEST} bytes")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
     try:
-        # An abstract address (no file to clean up) for the reply to come to.
+        # An abstract address (no file to clean up) for the reply to come to; not
+        # connected (see the module's docstring): the reply's sender is checked.
         s.bind(f"\0faultinject-{os.getpid()}-{secrets.token_hex(8)}".encode())
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        s.settimeout(timeout)
         try:
-            # Connected: the kernel then delivers datagrams from the server only.
-            s.connect(path)
-            s.send(data)
+            server_uid = os.stat(path).st_uid  # the daemon's own file: its uid replies
+            s.sendto(data, path)
         except FileNotFoundError:
             raise ControlError(f"{path}: no control socket (is trainwatch running with "
                                "this run_dir?)") from None
@@ -277,22 +335,12 @@ def request(run_dir: str, op: str, args: dict[str, Any],
             # The socket is open to all; its folder (run_dir) is not open to this user.
             raise ControlError(f"{path}: permission denied (run_dir is not open to this "
                                "user)") from None
-        except BlockingIOError:
-            raise ControlError(f"{path}: trainwatch is busy (its queue is full); "
-                               "try again") from None
+        except (BlockingIOError, TimeoutError):
+            raise ControlError(f"{path}: trainwatch is busy (its queue stayed full for "
+                               f"{timeout:g}s); try again") from None
         except OSError as e:
             raise ControlError(f"{path}: cannot send: {e.strerror or e}") from None
-        s.settimeout(timeout)
-        try:
-            raw = s.recv(MAX_REPLY)
-        except TimeoutError:
-            raise ControlError(f"{path}: no reply within {timeout:g}s (is trainwatch's "
-                               "loop stuck?)") from None
-        except OSError as e:
-            if e.errno in (errno.ECONNREFUSED, errno.ECONNRESET):  # it closed after we sent
-                raise ControlError(f"{path}: trainwatch went away before it "
-                                   "replied") from None
-            raise ControlError(f"{path}: cannot receive: {e.strerror or e}") from None
+        raw = _reply_from(s, path, server_uid, time.monotonic() + timeout, timeout)
     finally:
         s.close()
     try:
