@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import UserPython, local_user, need_root, wait_for
+from conftest import UserPython, free_port, local_user, need_root, wait_for
 
 ADMIN, ALICE, BOB, CAROL = "twadmin", "twalice", "twbob", "twcarol"
 JOBS = {"a": ALICE, "b": BOB}
@@ -57,6 +58,7 @@ class Host:
     daemon: subprocess.Popen[bytes]
     out: Path
     up: UserPython
+    port: int
 
     def cli(self, user: str | None, *argv: str) -> subprocess.CompletedProcess[str]:
         """The real `trainwatch` CLI as ``user`` (its uid, gid and groups); None: root."""
@@ -92,6 +94,18 @@ class Host:
                                   .read_text())["state"])
         except (OSError, ValueError, KeyError):
             return None
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of the daemon's /metrics, or None."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and sample.labels == labels:
+                    return float(sample.value)
+        return None
 
     def output(self) -> str:
         return self.out.read_text(errors="replace")
@@ -134,9 +148,10 @@ def host(user_python: UserPython) -> Iterator[Host]:
                      "env": {"PYTHONPATH": user_python.path},
                      "checkpoints": {"dir": str(d / "ckpt")}})
     config = root / "trainwatch.yaml"
+    port = free_port()
     config.write_text(yaml.safe_dump({
         "state_dir": str(root / "state"), "run_dir": str(root / "run"),
-        "metrics": {"port": 0}, "gpu": {"backend": "off", "kmsg": None}, "jobs": jobs,
+        "metrics": {"port": port}, "gpu": {"backend": "off", "kmsg": None}, "jobs": jobs,
         "policies": {"default": {"max_restarts": 3, "kill_grace": "2s",
                                  "backoff": {"initial": "0.1s", "max": "1s", "jitter": 0}}}}))
     out = root / "daemon.out"
@@ -145,7 +160,7 @@ def host(user_python: UserPython) -> Iterator[Host]:
             [sys.executable, "-m", "trainwatch.cli", "daemon", "--config", str(config)],
             stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
             start_new_session=True)
-    h = Host(root, root / "run", root / "state", daemon, out, user_python)
+    h = Host(root, root / "run", root / "state", daemon, out, user_python, port)
     try:
         for job in JOBS:
             wait_for(lambda job=job: daemon.poll() is None and h.state(job) == "running",
@@ -207,6 +222,7 @@ def test_a_user_pauses_stops_and_starts_their_own_job(host: Host) -> None:
 def test_a_user_is_refused_on_another_users_job_which_stays_untouched(host: Host) -> None:
     """alice's pause, stop, rollback and drills on bob's job: refused in one line, b as it was."""
     before = host.status("b")
+    refused = host.metric("trainwatch_control_requests_total", outcome="refused") or 0.0
     for argv in (("pause", "b"), ("stop", "b"), ("rollback", "b", "--to-step", "1")):
         assert _one_line(host.cli(ALICE, *argv)) == f"trainwatch {argv[0]}: {_refusal(ALICE, 'b')}"
     for args in ({"job": "b", "kind": "nan"}, {"job": "b", "kind": "crash", "pids": []}):
@@ -215,10 +231,11 @@ def test_a_user_is_refused_on_another_users_job_which_stays_untouched(host: Host
     after = host.status("b")
     assert (after["state"], after["paused"], after["pid"], after["attempt"],
             after["last_incident"]) == ("running", False, before["pid"], before["attempt"], None)
-    # Refusals are logged, but not one line per request.
-    refused = [line for line in host.output().splitlines()
-               if "control: refused" in line and f"({ALICE})" in line]
-    assert 1 <= len(refused) < 5, refused
+    # Refusals are counted and exported, and logged, but not one line per request.
+    assert host.metric("trainwatch_control_requests_total", outcome="refused") == refused + 5
+    lines = [line for line in host.output().splitlines()
+             if "control: refused" in line and f"({ALICE})" in line]
+    assert 1 <= len(lines) < 5, lines
 
 
 def test_a_user_with_no_jobs_acts_on_none(host: Host) -> None:

@@ -179,6 +179,18 @@ class StateCollector(Collector):
                           "Ledger writes that failed and were survived.")
         ledger.add_metric([], sup.ledger.errors)
         yield ledger
+        if sup.control is not None:
+            c = sup.control.counters
+            control = _counter("trainwatch_control_requests",
+                               "Requests on the control socket, by outcome: answered, refused "
+                               "(not the sender's to make), dropped (the sender past its "
+                               "rate), malformed, failed.", ["outcome"])
+            answered = c.requests - c.refused - c.throttled - c.malformed - c.failed
+            for outcome, n in (("answered", answered), ("refused", c.refused),
+                               ("dropped", c.throttled), ("malformed", c.malformed),
+                               ("failed", c.failed)):
+                control.add_metric([outcome], n)
+            yield control
         writes = _counter("trainwatch_state_write_errors",
                           "Writes of trainwatch's own files that failed and were survived, "
                           "by file: ledger, status, catalog, log, gpus.", ["file"])
