@@ -113,7 +113,7 @@ def test_steps_under_a_prefix_and_of_an_empty_prefix(s3: S3Bucket, local: Path) 
     upload(s3.url + "/job-a", make_snapshot(local, 1, [leaf_bytes(1)]))
     assert steps(s3.url + "/job-a") == [1]
     assert steps(s3.url + "/job-b") == []
-    assert pull(s3.url + "/job-b", str(local / "x")) is None
+    assert pull(s3.url + "/job-b", str(local / "x")).folder is None
 
 
 def test_pull_into_an_empty_dir_restores_bit_identically(s3: S3Bucket, local: Path,
@@ -124,7 +124,7 @@ def test_pull_into_an_empty_dir_restores_bit_identically(s3: S3Bucket, local: Pa
     for folder in (local / "snapshot-1", newest):
         upload(s3.url, str(folder))
     fresh = tmp_path / "fresh"
-    got = pull(s3.url, str(fresh))
+    got = pull(s3.url, str(fresh)).folder
     assert got == str(fresh / "snapshot-2")
     assert judge(got) == (True, "snapshot.json and 3 chunks present")
     assert files(got) == files(newest)
@@ -137,7 +137,7 @@ def test_pull_of_a_compressible_snapshot_checks_the_raw_hash(s3: S3Bucket, local
     folder = make_snapshot(local, 3, [bytes(256 * KIB), b"ab" * 40000], zstd=True)
     assert {c.codec for c in read(folder).chunks().values()} == {"zstd"}
     upload(s3.url, folder)
-    got = pull(s3.url, str(tmp_path / "fresh"))
+    got = pull(s3.url, str(tmp_path / "fresh")).folder
     assert got is not None and files(got) == files(folder)
 
 
@@ -146,10 +146,10 @@ def test_pull_of_a_given_step(s3: S3Bucket, local: Path, tmp_path: Path) -> None
     for step in (1, 2, 3):
         upload(s3.url, make_snapshot(local, step, [leaf_bytes(step)]))
     fresh = tmp_path / "fresh"
-    got = pull(s3.url, str(fresh), step=2)
+    got = pull(s3.url, str(fresh), step=2).folder
     assert got == str(fresh / "snapshot-2")
     assert files(got) == files(local / "snapshot-2")
-    assert pull(s3.url, str(fresh), step=9) is None
+    assert pull(s3.url, str(fresh), step=9).folder is None
     assert sorted(os.listdir(fresh)) == ["blobs", "snapshot-2"]
 
 
@@ -160,7 +160,7 @@ def test_pull_links_what_the_local_store_holds_and_downloads_the_rest(
     upload(s3.url, make_snapshot(local, 1, a))
     upload(s3.url, make_snapshot(local, 2, [*a[:3], leaf_bytes(42)]))
     fresh = tmp_path / "fresh"
-    first = pull(s3.url, str(fresh), step=1)
+    first = pull(s3.url, str(fresh), step=1).folder
     assert first is not None
     r = Remote(s3.url)
     downloads: list[str] = []
@@ -172,7 +172,7 @@ def test_pull_links_what_the_local_store_holds_and_downloads_the_rest(
         return open_(path, mode, **kw)
 
     monkeypatch.setattr(r.fs, "open", counting_open)
-    second = r.pull(str(fresh), step=2)
+    second = r.pull(str(fresh), step=2).folder
     assert second is not None
     assert downloads == [blobs.digest(leaf_bytes(42))]
     shared = set(files(first)) & set(files(second)) - {"snapshot.json"}
@@ -195,7 +195,7 @@ def test_a_damaged_local_store_copy_is_replaced_by_the_remote_one(
     damaged = bytearray(store.read_bytes())
     damaged[100] ^= 0xFF
     store.write_bytes(bytes(damaged))  # in place: snapshot-5's link sees it too
-    got = pull(s3.url, str(fresh), step=1)
+    got = pull(s3.url, str(fresh), step=1).folder
     assert got is not None and files(got) == files(local / "snapshot-1")
 
 
@@ -233,7 +233,7 @@ def test_pull_returns_the_local_snapshot_when_it_is_there(s3: S3Bucket, local: P
     folder = make_snapshot(local, 4, [leaf_bytes(4)])
     upload(s3.url, folder)
     before = {n: os.stat(os.path.join(folder, n)).st_ino for n in os.listdir(folder)}
-    assert pull(s3.url, str(local)) == folder
+    assert pull(s3.url, str(local)).folder == folder
     assert {n: os.stat(os.path.join(folder, n)).st_ino for n in os.listdir(folder)} == before
 
 
@@ -247,7 +247,7 @@ def test_file_url_round_trip_leaves_no_temp_files(local: Path, tmp_path: Path) -
     names = [p.name for p in (tmp_path / "remote").rglob("*") if p.is_file()]
     assert sorted(n for n in names if not n.startswith("snapshot-")) == sorted(
         {blobs.digest(x) for x in [*a, leaf_bytes(9)]})
-    got = pull(url, str(tmp_path / "fresh"))
+    got = pull(url, str(tmp_path / "fresh")).folder
     assert got is not None and files(got) == files(local / "snapshot-2")
 
 
@@ -363,11 +363,12 @@ def test_a_run_resumed_under_trainwatch_retires_the_remotes_newer_snapshots(
     restored = snap.restore()
     assert restored is not None and restored[0] == 2
     wait_for(lambda: steps(s3.url) == [1, 2], what="the remote's 3 and 4 retired")
-    assert pull(s3.url, str(tmp_path / "fresh-host")) == str(tmp_path / "fresh-host" / "snapshot-2")
+    got = pull(s3.url, str(tmp_path / "fresh-host")).folder
+    assert got == str(tmp_path / "fresh-host" / "snapshot-2")
     assert snap.maybe_save(3, {"new": b"three"})
     snap.close(timeout=60)
     assert steps(s3.url) == [1, 2, 3]
-    fresh = pull(s3.url, str(tmp_path / "another-host"), 3)
+    fresh = pull(s3.url, str(tmp_path / "another-host"), 3).folder
     assert fresh is not None and read(fresh).step == 3
     r = Remote(s3.url)
     names = {str(p).rsplit("/", 1)[-1] for p in r.fs.ls(r.root, detail=False)}
@@ -390,7 +391,7 @@ def test_an_upload_outlives_keep_deleting_its_snapshot(s3: S3Bucket, local: Path
     assert up.close(timeout=60)
     assert (up.uploaded, up.failures) == (2, 0), up.failures_by_kind
     assert steps(s3.url) == [1, 2]
-    assert pull(s3.url, str(local / "elsewhere"), 2) is not None
+    assert pull(s3.url, str(local / "elsewhere"), 2).folder is not None
     blobs.collect(str(local))  # the pins are gone with the upload: nothing left to collect
     assert sorted(n for n in os.listdir(local) if n.startswith(".")) == []
 
@@ -409,7 +410,7 @@ def test_a_rotted_local_snapshot_is_repaired_from_the_remote(s3: S3Bucket, local
     with open(path, "wb") as f:
         f.write(data)
     assert judge(folder)[0]  # sizes alone do not see it
-    assert pull(s3.url, str(local), 3) == folder
+    assert pull(s3.url, str(local), 3).folder == folder
     stored = {n: Path(blobs.store_path(str(local), n)) for n in m.chunks()}
     assert all(Path(folder, n).read_bytes() == p.read_bytes() for n, p in stored.items())
     assert Path(folder, name).stat().st_ino == stored[name].stat().st_ino  # the intact one

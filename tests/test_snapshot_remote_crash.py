@@ -28,8 +28,8 @@ pytest_plugins = ["s3server"]
 PIECE = 16 * 1024  # the child's transfer piece: "partial" is mid-blob with little test data
 CHILD = f"""
 import sys
-from trainwatch.snapshot import remote
-remote.PIECE = {PIECE}
+from trainwatch.snapshot import chunkfile, remote
+remote.PIECE = chunkfile.PIECE = {PIECE}
 op, url, path, step = sys.argv[1:5]
 if op == "upload":
     remote.upload(url, path)
@@ -70,7 +70,7 @@ def every_listed_snapshot_pulls_whole(url: str, local: Path, scratch: Path,
     complete and identical to the local snapshot; the steps listed."""
     listed = steps(url)
     for step in set(listed) - set(skip):
-        got = pull(url, str(scratch / f"check-{step}"), step)
+        got = pull(url, str(scratch / f"check-{step}"), step).folder
         assert got is not None and judge(got)[0]
         assert files(got) == files(local / f"snapshot-{step}")
     return listed
@@ -130,7 +130,7 @@ def test_a_pull_killed_at_any_instant_leaves_the_old_and_a_rerun_completes(
     upload(s3.url, one)
     upload(s3.url, two)
     host = tmp_path / "host"  # a host that has snapshot 1 and pulls snapshot 2
-    assert pull(s3.url, str(host), 1) is not None
+    assert pull(s3.url, str(host), 1).folder is not None
     before = fingerprint(host)
     killed_at(point, s3, "pull", s3.url, str(host), 2)
     after = fingerprint(host)
@@ -138,7 +138,7 @@ def test_a_pull_killed_at_any_instant_leaves_the_old_and_a_rerun_completes(
     assert {k: v for k, v in after.items() if k.startswith("1/")} == before
     for _, folder in published(host):
         assert judge(folder)[0]
-    got = pull(s3.url, str(host), 2)
+    got = pull(s3.url, str(host), 2).folder
     assert got is not None and files(got) == files(two)
     blobs.collect(str(host))  # the killed pull's staging folder goes; nothing else
     assert not [n for n in os.listdir(host) if n.startswith(".")]

@@ -62,7 +62,7 @@ class Pull:
                 if not os.path.isdir(self.root):  # a fresh host: made here, as root
                     os.makedirs(self.root)
                     made.append(self.root)
-                self.result = remote.pull(self.url, self.root, self.step)
+                self.result = remote.pull(self.url, self.root, self.step).folder
             except Exception as e:  # anything from the network or the store: one line
                 self.error = _one_line(e)
             finally:  # pulled or not: what we made is the job's, or it cannot save

@@ -170,6 +170,16 @@ class Staging:
         self._store(name, path)
         return Chunk(h, size, n, codec)
 
+    def adopt(self, part: str, c: Chunk) -> None:
+        """Put the chunk file ``part`` (in this folder, written, fsynced and checked
+        by its maker: a pull's download) in this save under its name, and in the store."""
+        path = os.path.join(self.path, c.name)
+        os.rename(part, path)
+        self.written += c.stored
+        self.new_raw += c.size
+        self.new_chunks += 1
+        self._store(c.name, path)
+
     def _store(self, name: str, path: str) -> None:
         sp = store_path(self.root, name)
         for _ in range(2):  # a GC may remove the empty blobs/xx between mkdir and link

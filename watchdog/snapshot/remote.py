@@ -8,11 +8,14 @@ sees a snapshot whose blobs are missing. On S3 each PUT (and a completed
 multipart upload) appears whole or not at all; on ``file://`` every file is
 written to a temp name, fsynced and renamed (fsspec's mv: os.rename). The
 endpoint and credentials come only from the standard AWS environment and files
-(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ~/.aws/...), read by botocore.
+(AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ~/.aws/...): this process's, read by
+botocore, or those of the mapping ``env`` given (fsoptions.py: the job's).
 
-A pull lands like a save: manifest first, then each chunk linked from the local
-store when present or downloaded into a staging folder, every chunk checked
-against its hash, then published by rename (``blobs.publish``).
+A pull (fetch.py) lands like a save, through staging, every chunk checked
+against its hash. What the remote holds is outside input: the manifest's claims
+are checked against caps, and each chunk's declared size against its object's,
+before anything is allocated or read (limits.py, chunkfile.py). A damaged newest
+snapshot is skipped for the next older intact one, each skipped one said.
 """
 
 from __future__ import annotations
@@ -21,30 +24,21 @@ import logging
 import os
 import re
 import socket
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from trainwatch.snapshot import blobs, crashpoint
-from trainwatch.snapshot.format import (
-    MANIFEST,
-    STAGING_RE,
-    Chunk,
-    folder_name,
-    judge,
-    loads,
-    read,
-)
+from trainwatch.snapshot.format import MANIFEST, STAGING_RE, folder_name, loads, read
+from trainwatch.snapshot.fsoptions import storage_options
 
-__all__ = ["Remote", "RemoteError", "pull", "steps", "upload"]
+__all__ = ["Damaged", "Pulled", "Remote", "RemoteError", "pull", "retire", "steps", "upload"]
 
 log = logging.getLogger("trainwatch.snapshot")
 
-PIECE = 8 * 1024 * 1024  # bytes per write/read call: the crash tables' "mid transfer"
-DOWNLOADS = 8  # chunks a pull fetches at once (at most this many held in memory)
+PIECE = 8 * 1024 * 1024  # bytes per write call of an upload: the crash tables' "mid transfer"
 _BLOB_RE = re.compile(r"^[0-9a-f]{32}(\.zst)?$")
-_REMOTE_MANIFEST_RE = re.compile(r"^snapshot-(\d+)\.json$")
+_REMOTE_MANIFEST_RE = re.compile(r"^snapshot-(\d{1,18})\.json$")
 _EXTRA = "pip install 'trainwatchd[snapshot]'"
 T = TypeVar("T")
 
@@ -53,13 +47,28 @@ class RemoteError(Exception):
     """One line for the operator: what is wrong with the remote or what it holds."""
 
 
-def _open_fs(url: str) -> tuple[Any, str]:
+class Damaged(RemoteError):
+    """One remote snapshot cannot be trusted (an older one may be)."""
+
+
+@dataclass(frozen=True)
+class Pulled:
+    """A pull's outcome: the local folder of the snapshot pulled (None: the
+    remote holds none) and its step, and the newer ones skipped as damaged
+    (step, why), newest first."""
+
+    folder: str | None
+    step: int | None = None
+    skipped: tuple[tuple[int, str], ...] = ()
+
+
+def _open_fs(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
     try:
         from fsspec.core import url_to_fs  # type: ignore[import-untyped]  # no stubs
     except ImportError:
         raise RemoteError(f"remote snapshots need fsspec: {_EXTRA}") from None
     try:
-        fs, root = url_to_fs(url)
+        fs, root = url_to_fs(url, **options)
     except ImportError as e:  # fsspec's "Install s3fs to access S3"
         raise RemoteError(f"{url}: {e} (the snapshot extra: {_EXTRA})") from None
     except ValueError as e:
@@ -73,20 +82,22 @@ def remote_manifest(step: int) -> str:
 
 class Remote:
     """One remote URL: its filesystem, and the names (and sizes) of the blobs it
-    holds, listed once and kept up to date as this process uploads."""
+    holds, listed once and kept up to date as this process uploads. ``env``: the
+    environment whose credentials and endpoint to use (fsoptions.py); None: this
+    process's."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, env: Mapping[str, str] | None = None) -> None:
         self.url = url
-        self.fs, self.root = _open_fs(url)
+        self.fs, self.root = _open_fs(url, storage_options(url, env))
         protocol = self.fs.protocol
         self._local = "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
         self._index: dict[str, int] | None = None
 
-    def _path(self, *parts: str) -> str:
+    def path(self, *parts: str) -> str:
         return "/".join((self.root, *parts)) if self.root else "/".join(parts)
 
-    def _blob(self, name: str) -> str:
-        return self._path(blobs.STORE, name[:2], name)
+    def blob(self, name: str) -> str:
+        return self.path(blobs.STORE, name[:2], name)
 
     def forget(self) -> None:
         """Drop the blob index (after a failure: list again next time)."""
@@ -95,7 +106,7 @@ class Remote:
     def index(self) -> dict[str, int]:
         """{blob name: size} of the remote store, listed once."""
         if self._index is None:
-            top = self._path(blobs.STORE)
+            top = self.path(blobs.STORE)
             self.fs.invalidate_cache(top)  # another process may have uploaded since
             try:
                 found = self.fs.find(top, detail=True)
@@ -161,13 +172,13 @@ class Remote:
                 out["blobs_present"] += 1
                 continue
             path = os.path.join(folder, name)
-            self._put(self._blob(name), _file_pieces(path, c.stored), "upload.blob.partial")
+            self._put(self.blob(name), _file_pieces(path, c.stored), "upload.blob.partial")
             have[name] = c.stored
             out["blobs_uploaded"] += 1
             out["bytes_uploaded"] += c.stored
             crashpoint.at("upload.blob.done")
         crashpoint.at("upload.blobs.done")
-        self._put(self._path(remote_manifest(m.step)), _halves(manifest),
+        self._put(self.path(remote_manifest(m.step)), _halves(manifest),
                   "upload.manifest.partial")
         crashpoint.at("upload.manifest.done")
         out["bytes_uploaded"] += len(manifest)
@@ -195,94 +206,16 @@ class Remote:
         A kill between the copy and the delete leaves the manifest listed: retried."""
         retired = [s for s in self.steps() if s > step]
         for s in retired:
-            name = self._path(remote_manifest(s))
+            name = self.path(remote_manifest(s))
             self.fs.mv(name, f"{name}.retired")
         return retired
 
-    def pull(self, root: str, step: int | None = None) -> str | None:
-        """The local folder of the remote snapshot ``step`` (default: the newest),
-        pulled into ``root`` unless there already; None when the remote has none."""
-        have = self.steps()
-        if step is None:
-            if not have:
-                return None
-            step = have[-1]
-        elif step not in have:
-            return None
-        root = os.path.abspath(root)
-        local = os.path.join(root, folder_name(step))
-        if os.path.isdir(local) and _whole(local):
-            return local
-        # Not here, or here but damaged (a chunk cut short, or rotted: its hash):
-        # pulled anew, the local store's intact chunks linked, and put in its place.
-        rpath = self._path(remote_manifest(step))
-        try:
-            data = self.fs.cat_file(rpath)
-            m = loads(data, step)
-        except FileNotFoundError:
-            return None  # deleted since the listing
-        except ValueError as e:
-            raise RemoteError(f"{self.url}/{remote_manifest(step)}: {e}") from None
-        staging = blobs.Staging(root, step)
-        try:
-            todo = []
-            for name, c in m.chunks().items():
-                if self._linked(staging, name, c):
-                    crashpoint.at("pull.blob.done")
-                else:
-                    todo.append((name, c))
-            # Downloads in parallel (an object store's latency is per request), each
-            # added to staging here, in order, as it arrives: at most DOWNLOADS held.
-            with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="trainwatch-pull") as pool:
-                window: deque[Future[bytearray]] = deque()
-                for i, (name, c) in enumerate(todo):
-                    while len(window) < DOWNLOADS and i + len(window) < len(todo):
-                        window.append(pool.submit(self._download, todo[i + len(window)]))
-                    buf = window.popleft().result()
-                    got = staging.add(c.hash, c.size, _given(buf, c.codec), dedup=False)
-                    del buf
-                    if got.name != name:  # the manifest names one hash under both codecs
-                        raise RemoteError(f"{self.url}: chunk {c.hash} is named twice in "
-                                          "the manifest")
-                    crashpoint.at("pull.blob.done")
-            crashpoint.at("pull.publish.before")
-            folder, _ = blobs.publish(staging, bytes(data), replace=os.path.isdir(local))
-        except BaseException:
-            staging.abandon()
-            raise
-        return _complete(folder)  # published, or the one published meanwhile (it wins)
+    def pull(self, root: str, step: int | None = None) -> Pulled:
+        """The remote snapshot ``step`` (the newest intact one by default) pulled
+        into ``root`` (fetch.py)."""
+        from trainwatch.snapshot import fetch
 
-    def _linked(self, staging: blobs.Staging, name: str, c: Chunk) -> bool:
-        """Chunk ``name`` linked into staging from the local store, when that copy is intact."""
-        if staging.link(name) is None:
-            return False
-        path = os.path.join(staging.path, name)
-        with open(path, "rb") as f:
-            if _intact(f.read(), c):
-                return True
-        os.unlink(path)  # a damaged local copy: take the remote's (the store keeps its own)
-        log.warning("snapshot: local store copy of chunk %s is damaged; downloading it", name)
-        return False
-
-    def _download(self, item: tuple[str, Chunk]) -> bytearray:
-        """The remote's chunk, its hash checked."""
-        name, c = item
-        buf = bytearray()
-        try:
-            with self.fs.open(self._blob(name), "rb") as f:
-                while piece := f.read(PIECE):
-                    buf += piece
-                    crashpoint.at("pull.blob.partial")
-        except FileNotFoundError:
-            raise RemoteError(f"{self.url}: chunk {name} is missing from the remote") from None
-        if not _intact(buf, c):
-            raise RemoteError(f"{self.url}: chunk {name} is damaged on the remote "
-                              f"({len(buf)} bytes; hash does not match); nothing was restored")
-        return buf
-
-
-def _given(buf: bytearray, codec: str | None) -> Callable[[], tuple[Any, str | None]]:
-    return lambda: (buf, codec)
+        return fetch.pull(self, root, step)
 
 
 def _fsync(path: str) -> None:
@@ -291,42 +224,6 @@ def _fsync(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _complete(folder: str) -> str:
-    ok, why = judge(folder)
-    if not ok:
-        raise RemoteError(f"{folder}: exists but is not a complete snapshot ({why})")
-    return folder
-
-
-def _whole(folder: str) -> bool:
-    """Every chunk of the local snapshot ``folder`` there and matching its hash."""
-    try:
-        m = read(folder)
-        for name, c in m.chunks().items():
-            with open(os.path.join(folder, name), "rb") as f:
-                if not _intact(f.read(), c):
-                    return False
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def _intact(data: Any, c: Chunk) -> bool:
-    """The file bytes decode to the chunk's raw bytes (size and xxh3)."""
-    if memoryview(data).nbytes != c.stored:
-        return False
-    raw = data
-    if c.codec == "zstd":
-        from trainwatch.snapshot import codec
-
-        raw = bytearray(c.size)
-        try:
-            codec.decompress_into(data, memoryview(raw))
-        except ValueError:
-            return False
-    return memoryview(raw).nbytes == c.size and blobs.digest(raw) == c.hash
 
 
 def _file_pieces(path: str, size: int) -> Iterator[bytes]:
@@ -348,11 +245,11 @@ def _halves(data: bytes) -> list[bytes]:
     return [data[:half], data[half:]]
 
 
-def _wrapped(url: str, do: Callable[[Remote], T]) -> T:
-    """do(Remote(url)); whatever the filesystem raises (OSError, botocore's
+def _wrapped(url: str, do: Callable[[Remote], T], env: Mapping[str, str] | None = None) -> T:
+    """do(Remote(url, env)); whatever the filesystem raises (OSError, botocore's
     errors, ...) becomes a RemoteError of one line."""
     try:
-        return do(Remote(url))
+        return do(Remote(url, env))
     except RemoteError:
         raise
     except Exception as e:
@@ -365,13 +262,21 @@ def upload(url: str, folder: str) -> dict[str, int]:
     return _wrapped(url, lambda r: r.upload(folder))
 
 
-def steps(url: str) -> list[int]:
+def steps(url: str, env: Mapping[str, str] | None = None) -> list[int]:
     """The steps the remote holds complete snapshots of, oldest first."""
-    return _wrapped(url, Remote.steps)
+    return _wrapped(url, Remote.steps, env)
 
 
-def pull(url: str, root: str, step: int | None = None) -> str | None:
-    """The local folder of the remote snapshot ``step`` (the newest by default),
-    pulled into ``root``; None when the remote has none (of that step)."""
-    return _wrapped(url, lambda r: r.pull(root, step))
+def pull(url: str, root: str, step: int | None = None,
+         env: Mapping[str, str] | None = None) -> Pulled:
+    """The remote snapshot ``step`` (the newest intact one by default) pulled into
+    ``root``, reaching the remote with ``env``'s credentials (None: this
+    process's). A plain function of its arguments: no state of the caller's."""
+    return _wrapped(url, lambda r: r.pull(root, step), env)
 
+
+def retire(url: str, env: Mapping[str, str] | None = None) -> list[int]:
+    """Retire every manifest of the remote (Remote.retire_after): a run that
+    starts fresh over it must not mix its snapshots with an older run's. The
+    steps retired."""
+    return _wrapped(url, lambda r: r.retire_after(-1), env)

@@ -286,7 +286,7 @@ class Snapshotter:
             if folder is None and self.remote is not None:
                 from trainwatch.snapshot import remote
 
-                folder = remote.pull(self.remote, self.dir)
+                folder = remote.pull(self.remote, self.dir).folder
         if folder is None:
             return None
         step, state = reader.load(folder)
