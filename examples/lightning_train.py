@@ -8,7 +8,8 @@ resumed with ``ckpt_path=resume_from()``.
 
 Drills, on the first attempt only (TRAINWATCH_ATTEMPT unset or 0):
 --nan-at S fills a weight with NaN before step S, so its loss really is NaN;
---crash-at S raises after step S. OUT/progress.jsonl records each attempt's
+--crash-at S raises after step S. --shuffle: an ordinary shuffled DataLoader,
+whose order a resumed run does not repeat. OUT/progress.jsonl records each attempt's
 first step, what it resumed from, the steps it skipped, and its last step.
 """
 
@@ -81,13 +82,16 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per step")
     p.add_argument("--nan-at", type=int)
     p.add_argument("--crash-at", type=int)
+    p.add_argument("--shuffle", action="store_true",
+                   help="an ordinary shuffled DataLoader: a rollback's skip is then approximate")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
 
     pl.seed_everything(0, verbose=False)
     x = torch.randn(a.ckpt_every * 16, 8, generator=torch.Generator().manual_seed(1))
     data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True) * 0.5), batch_size=16)
+        torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True) * 0.5), batch_size=16,
+        shuffle=a.shuffle)
     tw = TrainwatchCallback()
     ckpt = ModelCheckpoint(dirpath=a.out / "ckpt", filename="step_{step}",
                            auto_insert_metric_name=False, every_n_epochs=1, save_top_k=-1,

@@ -85,6 +85,8 @@ def main() -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"])
+    # Each batch is drawn from its step (batches() below): a rollback's skip is exact.
+    w.data_order("step", "each batch is drawn from a generator seeded by its step", step=start)
     record(a.out, event="start", resume_from=resume, first_step=start + 1,
            skip=list(w.window) if w.window else None)
     step = start

@@ -23,6 +23,7 @@ from conftest import Workspace, finish, missing
 from trainwatch import client
 from trainwatch.sources import ring
 from trainwatch.sources.heartbeat import parse
+from trainwatch.types import DataOrder
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 # example -> (script, the checkpoint pattern it writes under OUT/ckpt, its imports)
@@ -253,6 +254,65 @@ def test_lightning_callback_reports_a_checkpoint_only_once_its_file_is_complete(
     assert got[5].loss is not None and math.isnan(got[5].loss)
 
 
+def _orders(s: socket.socket) -> list[DataOrder]:
+    return [d for d in _datagrams(s) if isinstance(d, DataOrder)]
+
+
+def test_hf_callback_says_the_trainer_orders_data_by_step(
+    tmp_path: Path, rings: tuple[Path, socket.socket]
+) -> None:
+    """With default arguments the HF callback tells the daemon, once, that the batch of a
+    step is a function of the step (seeded sampler, skip on resume), from step 0."""
+    _need("torch", "transformers", "accelerate")
+    _hf_train(tmp_path / "out", steps=2)
+    (said,) = _orders(rings[1])
+    assert (said.order, said.step, said.rank) == ("step", 0, 0), said
+    assert "seed 42" in said.why, said
+
+
+@pytest.mark.parametrize(("loader", "order"), [("shuffled", "unknown"),
+                                               ("sequential", "epoch-seeded"),
+                                               ("stateful", "step")])
+def test_lightning_callback_says_how_its_dataloader_follows_the_step(
+    rings: tuple[Path, socket.socket], loader: str, order: str
+) -> None:
+    """An ordinary shuffled DataLoader is 'unknown' (a resumed run draws other batches), an
+    unshuffled one 'epoch-seeded' with its epoch's length in steps, and a stateful one
+    (state_dict/load_state_dict, restored by Lightning) 'step'."""
+    _need("torch", "lightning")
+    import lightning.pytorch as pl
+    import torch
+    from trainwatch.integrations.lightning import TrainwatchCallback
+
+    class Stateful(torch.utils.data.DataLoader[Any]):
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, i: int) -> Any:
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    ds = torch.utils.data.TensorDataset(torch.randn(12, 4))
+    make = Stateful if loader == "stateful" else torch.utils.data.DataLoader
+    data = make(ds, batch_size=4, shuffle=loader == "shuffled")
+    pl.Trainer(max_steps=2, callbacks=[TrainwatchCallback()], accelerator="cpu", logger=False,
+               enable_progress_bar=False, enable_model_summary=False,
+               enable_checkpointing=False).fit(Module(), data)
+    (said,) = _orders(rings[1])
+    assert (said.order, said.step) == (order, 0), said
+    assert said.epoch_steps == (3 if order == "epoch-seeded" else None), said
+
+
 def test_importing_trainwatch_and_its_integrations_package_imports_no_framework() -> None:
     """`import trainwatch.integrations` (and the client) pulls in neither torch,
     transformers nor lightning."""
@@ -320,3 +380,38 @@ def test_example_driven_into_nan_is_rolled_back_before_the_nan_step(
     bad = {int(k): v for k, v in catalog.get("bad", {}).items()}
     assert all(s > 6 and v.startswith("quarantined") for s, v in bad.items()), bad
     assert all((out / "ckpt" / _name(pattern, s)).exists() for s in bad), bad
+    # Each example's batch of step k is a function of k (HF: its seeded sampler and
+    # skip on resume; Lightning: a fixed order resumed at an epoch end; torch: batches
+    # seeded by step), and said so: the skip is recorded as exact.
+    rb = json.loads(incident["evidence"])["rollback"]
+    assert (rb["skip"], rb["data_order"]["order"], rb["resume_step"]) == (
+        "exact", {"hf": "step", "lightning": "epoch-seeded", "torch": "step"}[kind], 6), rb
+    assert rb["window"] == skip and rb["widening"] == 0 and rb["budget"] == "charged", rb
+    assert rb["quarantined"] == sorted(bad), (rb, bad)
+
+
+def test_lightning_with_a_shuffled_dataloader_is_rolled_back_with_an_approximate_skip(
+    ws: Workspace
+) -> None:
+    """An ordinary DataLoader(shuffle=True) draws a new order in every run: the NaN incident
+    records the skip as approximate, naming the unseeded RandomSampler, and
+    `incidents --show` says so with the window and the quarantined checkpoints."""
+    job, _ = _example(ws, "lightning", "--steps", "12", "--ckpt-every", "3", "--nan-at", "8",
+                      "--step-time", "0.1", "--shuffle")
+    rc, log = finish(ws.run(ws.config(job, policy={"actions": {"nan_loss": "rollback"}})),
+                     timeout=120)
+    assert rc == 0, log
+    (incident,) = ws.incidents()
+    rb = json.loads(incident["evidence"])["rollback"]
+    assert rb["skip"] == "approximate" and rb["data_order"]["order"] == "unknown", rb
+    assert "RandomSampler without a generator" in rb["skip_why"], rb
+    shown = subprocess.run(
+        [sys.executable, "-m", "trainwatch.cli", "incidents", "--show", str(incident["id"]),
+         "--state-dir", str(ws.state)], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    w = rb["window"]
+    for want in (f"skip window: steps {w[0]}-{w[1]}", "quarantined (kept on disk",
+                 "skip: approximate: a RandomSampler without a generator",
+                 "loss and grad norm of rank 0", "<- onset"):
+        assert want in shown.stdout, (want, shown.stdout)
+    assert "no evidence captured" not in shown.stdout

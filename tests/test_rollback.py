@@ -2,15 +2,23 @@
 under a real `trainwatch run`: its learning rate is blown up at a known step,
 the loss goes non-finite, and trainwatch relaunches it from a checkpoint from
 before the onset, with the newer checkpoints quarantined (still on disk) and
-the anomalous steps' data skipped; the job then trains to its end."""
+the anomalous steps' data skipped; the job then trains to its end. One
+anomaly that comes back widens its skip window and spends one restart of the
+budget, however often; each rollback is recorded with its incident."""
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 import textwrap
 
+import pytest
 from conftest import Workspace, finish
+from trainwatch.actions import rollback
+from trainwatch.config import Backoff, Policy, Rollback
+from trainwatch.policy import RestartHistory, decide
+from trainwatch.types import DataOrder, Fault, FaultKind
 
 # A linear model fit by SGD; a checkpoint (and its report) after every step.
 # On attempt 0 the update of step BLOW uses a learning rate of 1e30: the
@@ -89,3 +97,146 @@ def test_a_blown_learning_rate_is_rolled_back_to_before_its_onset(ws: Workspace)
     assert all(v.startswith("quarantined") for v in bad.values()), bad
     assert 40 not in bad and set(bad) <= set(range(41, end + 1)), (bad, end)
     assert all((ws.ckpt / f"step_{s}").exists() for s in bad)
+
+
+# --- one anomaly, one restart: the skip window widens without spending the budget ---
+
+# Steps BAD_FIRST..BAD_LAST have bad data: training on any of them gives a NaN loss.
+# Each step's data is a function of the step (said with data_order), and every step
+# is checkpointed, so each rollback resumes right before its window.
+_BAD_DATA_TRAINER = textwrap.dedent(
+    """
+    import json, math, os, sys, time
+    from trainwatch import client
+    ckpt, journal, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    bad = range(int(sys.argv[4]), int(sys.argv[5]) + 1)
+    start = int(open(client.resume_from()).read()) if client.resume_from() else 0
+    skip = client.skip_steps()
+    with open(journal, "a") as f:
+        f.write(json.dumps({"attempt": int(os.environ["TRAINWATCH_ATTEMPT"]),
+                            "start": start, "skip": skip}) + "\\n")
+    hb = client.connect()
+    hb.data_order("step", "batch k is drawn from k", step=start)
+    for step in range(start + 1, steps + 1):
+        time.sleep(0.01)
+        if skip and skip[0] <= step <= skip[1]:
+            hb.beat(step)
+            continue
+        hb.beat(step, loss=math.nan if step in bad else 2.0 / (1 + 0.01 * step), grad_norm=0.5)
+        path = os.path.join(ckpt, f"step_{step}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(step))
+        os.replace(path + ".tmp", path)
+        hb.checkpoint(step, path)
+    """
+)
+
+
+def test_a_six_step_bad_window_costs_one_restart_of_the_budget(ws: Workspace) -> None:
+    """Bad data at steps 20-25 under max_restarts 1: three rollbacks (windows 20-20, 19-22,
+    15-27), of which only the first is charged; the job finishes. Each incident records its
+    window, the window it widened, the checkpoints quarantined (still on disk), that the skip
+    is exact (the job said its data follows the step), and keeps the loss series; one log
+    line per rollback names window and quarantined steps."""
+    script = ws.root / "trainer.py"
+    script.write_text(_BAD_DATA_TRAINER)
+    journal = ws.root / "journal.jsonl"
+    cfg = ws.config({"command": [sys.executable, str(script), str(ws.ckpt), str(journal), "40",
+                                 "20", "25"],
+                     "resume_args": [],
+                     "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}"}},
+                    policy={"max_restarts": 1})
+    code, out = finish(ws.run(cfg), timeout=120)
+    incs = ws.incidents()
+    summary = [(i["kind"], i["action"], i["onset_step"], i["decision"]) for i in incs]
+    assert code == 0, (summary, out[-3000:])
+    rbs = [json.loads(i["evidence"])["rollback"] for i in incs]
+    assert [(i["kind"], i["action"], i["onset_step"]) for i in incs] == [
+        ("nan_loss", "rollback", 20), ("nan_loss", "rollback", 21),
+        ("nan_loss", "rollback", 23)], summary
+    assert [(rb["window"], rb["previous_window"], rb["widening"]) for rb in rbs] == [
+        ([20, 20], None, 0), ([19, 22], [20, 20], 1), ([15, 27], [19, 22], 2)]
+    assert "restart 1 of 1" in incs[0]["decision"]
+    assert all("not charged" in i["decision"] for i in incs[1:]), summary
+    assert [rb["budget"] for rb in rbs] == ["charged"] + ["not charged: a widening"] * 2
+    assert [rb["resume_step"] for rb in rbs] == [18, 17, 13]
+    assert all(rb["skip"] == "exact" and rb["skip_why"] == "batch k is drawn from k"
+               for rb in rbs), rbs
+    # Attempt 0 checkpointed step 19 and whatever it reached before it was killed.
+    assert rbs[0]["quarantined"][0] == 19, rbs[0]
+    assert all(rb["quarantined"] and min(rb["quarantined"]) > rb["resume_step"] for rb in rbs)
+    assert all((ws.ckpt / f"step_{s}").exists() for rb in rbs for s in rb["quarantined"])
+    runs = [json.loads(x) for x in journal.read_text().splitlines()]
+    assert [(r["start"], r["skip"]) for r in runs] == [
+        (0, None), (18, [20, 20]), (17, [19, 22]), (13, [15, 27])], runs
+    assert ("rollback for nan_loss from step 21: skip window 19-22 (widening 1 of 3, was "
+            "20-20); resuming from step 17;") in out, out[-3000:]
+    series = json.loads((ws.state / "jobs" / "job" / "incidents" / str(incs[1]["id"])
+                         / "series.json").read_text())
+    assert series["onset_step"] == 21 and series["steps"][-1] == 21, series
+    assert series["loss"][-1] == "nan" and series["steps"][0] == 18 + 1, series
+
+
+def _fault(onset: int, noticed: int | None = None) -> Fault:
+    return Fault(FaultKind.NAN_LOSS, "job", onset=0.0, onset_step=onset,
+                 evidence={"noticed_step": noticed if noticed is not None else onset})
+
+
+def test_the_window_widens_for_the_same_anomaly_and_gives_up_after_max_widenings() -> None:
+    """Bad steps 100-105: windows 100-100, 99-102, 95-107 (widenings 0, 1, 2); with
+    max_widenings 2 a fourth comeback stops the job; an anomaly far away starts afresh."""
+    rb = Rollback(max_widenings=2)
+    skip: tuple[int, int, int] | None = None
+    seen = []
+    for onset in (100, 101, 103):
+        p = rollback.plan(rb, skip, _fault(onset), None)
+        assert p.gave_up is None
+        seen.append((p.window, p.widening))
+        skip = (p.window[0], p.window[1], p.widening + 1)
+    assert seen == [((100, 100), 0), ((99, 102), 1), ((95, 107), 2)]
+    again = rollback.plan(rb, skip, _fault(108), None)
+    assert again.widening == 3 and again.gave_up is not None
+    assert "after 2 widenings" in again.gave_up and "95-107" in again.gave_up
+    far = rollback.plan(rb, skip, _fault(500), None)
+    assert (far.window, far.widening, far.gave_up) == ((500, 500), 0, None)
+
+
+def test_a_policy_may_start_with_a_palm_like_window() -> None:
+    """skip_before/skip_after widen the first window around the onset and the steps after
+    it that were seen anomalous (PaLM: ~100 steps back, 200-500 batches skipped)."""
+    p = rollback.plan(Rollback(before=100, skip_before=100, skip_after=200), None,
+                      _fault(1000, noticed=1009), None)
+    assert (p.window, p.widening) == ((900, 1209), 0)
+
+
+def test_a_widening_spends_no_restart_of_the_budget() -> None:
+    """decide(charged=False) grants a relaunch with backoff but records no restart, even
+    with the budget spent; a charged one is refused then."""
+    policy = Policy(max_restarts=1, backoff=Backoff(initial=1.0, jitter=0.0))
+    history, rng = RestartHistory(), random.Random(1)
+    nan = _fault(10)
+    first = decide(policy, nan, history, now=1.0, attempt_ran_for=1.0, rng=rng)
+    assert not first.fatal and list(history.restarts) == [1.0]
+    wider = decide(policy, nan, history, now=2.0, attempt_ran_for=1.0, rng=rng, charged=False)
+    assert not wider.fatal and wider.delay == 2.0 and "not charged" in wider.reason
+    assert list(history.restarts) == [1.0]
+    assert decide(policy, nan, history, now=3.0, attempt_ran_for=1.0, rng=rng).fatal
+
+
+@pytest.mark.parametrize(("order", "resumed", "verdict"), [
+    (None, 6, "unverified"),
+    (("step", None), 7, "exact"),
+    (("epoch-seeded", 3), 6, "exact"),
+    (("epoch-seeded", 3), 7, "approximate"),
+    (("epoch-seeded", None), 7, "approximate"),
+    (("epoch-seeded", 3), None, "exact"),
+    (("unknown", None), 6, "approximate"),
+])
+def test_the_skip_is_exact_only_where_the_data_order_follows_the_step(
+    order: tuple[str, int | None] | None, resumed: int | None, verdict: str
+) -> None:
+    """'step' is exact wherever the run resumes; 'epoch-seeded' only from an epoch's end
+    (or from scratch); 'unknown' is approximate; a job that said nothing is unverified."""
+    said = None if order is None else DataOrder(order[0], "why", order[1], 0, 0, 0.0)
+    got, why = rollback.exactness(said, resumed)
+    assert got == verdict, why

@@ -96,7 +96,8 @@ def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
         reason, delay, fatal = f"{why}: would {action.value}", None, False
     else:
         if action is Action.ROLLBACK:
-            plan = rollback.plan(r, fault)  # the same anomaly again is not charged again
+            # The same anomaly again is not charged again.
+            plan = rollback.plan(r.policy.rollback, r.skip, fault, r.last_step)
         if plan is not None and plan.gave_up is not None:
             reason, delay, fatal = plan.gave_up, None, True
             log.error("job %s: %s: stopped", r.job.name, plan.gave_up)

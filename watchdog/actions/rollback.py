@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from trainwatch.actions import launch as launching
 from trainwatch.actions import pull
+from trainwatch.config import Rollback
 from trainwatch.policy import RestartHistory
 from trainwatch.snapshot.format import folder_name
 from trainwatch.state.catalog import QUARANTINED
@@ -77,17 +78,17 @@ class Plan:
     gave_up: str | None  # why the job stops instead: max_widenings spent
 
 
-def plan(r: JobRunner, fault: Fault) -> Plan:
-    """The skip window for a loss anomaly: the first from ``skip_before``
+def plan(rb: Rollback, old: tuple[int, int, int] | None, fault: Fault,
+         last_step: int | None) -> Plan:
+    """The skip window for a loss anomaly, given the window skipped so far
+    (``old``: start, end, rollbacks into it): the first from ``skip_before``
     steps before its onset to ``skip_after`` steps after the last anomalous step
     seen; an anomaly back in (or right beside) the window skipped last time is
     the same one, and the window doubles, at most ``max_widenings`` times."""
-    rb = r.policy.rollback
-    onset = fault.onset_step if fault.onset_step is not None else r.last_step or 0
+    onset = fault.onset_step if fault.onset_step is not None else last_step or 0
     noticed = fault.evidence.get("noticed_step")
     last = max(onset, noticed if isinstance(noticed, int) else onset)
     start, end, widening, previous = max(0, onset - rb.skip_before), last + rb.skip_after, 0, None
-    old = r.skip
     width = old[1] - old[0] + 1 if old is not None else 0
     if old is not None and old[0] - width <= onset <= old[1] + width:
         previous, widening = (old[0], old[1]), old[2]

@@ -49,8 +49,7 @@ def _head(row: dict[str, Any]) -> list[str]:
              if isinstance(when, (int, float)) else "-")
     out = [f"incident {row.get('id', '?')} at {stamp}"]
     out += [f"  {k}: {row[k]}" for k in ROW_FIELDS if row.get(k) is not None]
-    ev = _evidence(row)
-    ev.pop(ROLLBACK, None)  # shown on its own (_rollback)
+    ev = {k: v for k, v in _evidence(row).items() if k != ROLLBACK}  # shown by _rollback
     if ev:
         out.append("  evidence:")
         out += [f"    {k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}"
