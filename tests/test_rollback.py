@@ -12,9 +12,11 @@ import json
 import random
 import sys
 import textwrap
+import urllib.request
 
 import pytest
-from conftest import Workspace, finish
+from conftest import Workspace, finish, free_port, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 from trainwatch.actions import rollback
 from trainwatch.config import Backoff, Policy, Rollback
 from trainwatch.policy import RestartHistory, decide
@@ -128,8 +130,21 @@ _BAD_DATA_TRAINER = textwrap.dedent(
             f.write(str(step))
         os.replace(path + ".tmp", path)
         hb.checkpoint(step, path)
+    release = time.monotonic() + 60  # the test reads the metrics, then lets it end
+    while not os.path.exists(sys.argv[6]) and time.monotonic() < release:
+        time.sleep(0.02)
     """
 )
+
+
+def _scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    return {(x.name, frozenset(x.labels.items())): x.value
+            for f in text_string_to_metric_families(text) for x in f.samples}
 
 
 def test_a_six_step_bad_window_costs_one_restart_of_the_budget(ws: Workspace) -> None:
@@ -137,16 +152,25 @@ def test_a_six_step_bad_window_costs_one_restart_of_the_budget(ws: Workspace) ->
     15-27), of which only the first is charged; the job finishes. Each incident records its
     window, the window it widened, the checkpoints quarantined (still on disk), that the skip
     is exact (the job said its data follows the step), and keeps the loss series; one log
-    line per rollback names window and quarantined steps."""
+    line per rollback names window and quarantined steps; the metrics count three exact
+    rollbacks and 13 skipped steps."""
     script = ws.root / "trainer.py"
     script.write_text(_BAD_DATA_TRAINER)
-    journal = ws.root / "journal.jsonl"
+    journal, release, port = ws.root / "journal.jsonl", ws.root / "release", free_port()
     cfg = ws.config({"command": [sys.executable, str(script), str(ws.ckpt), str(journal), "40",
-                                 "20", "25"],
+                                 "20", "25", str(release)],
                      "resume_args": [],
                      "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}"}},
-                    policy={"max_restarts": 1})
-    code, out = finish(ws.run(cfg), timeout=120)
+                    policy={"max_restarts": 1}, metrics={"address": "127.0.0.1", "port": port})
+    proc = ws.run(cfg)
+    rollbacks = ("trainwatch_job_rollbacks_total", frozenset({("job", "job"), ("skip", "exact")}))
+    got = wait_for(lambda: (m := _scrape(port)).get(rollbacks) == 3 and m, timeout=90,
+                   what="three exact rollbacks counted")
+    release.touch()
+    assert got[("trainwatch_job_rollback_skipped_steps_total", frozenset({("job", "job")}))] == 13
+    assert all(got[("trainwatch_job_rollbacks_total", frozenset({("job", "job"), ("skip", k)}))]
+               == 0 for k in ("approximate", "unverified"))
+    code, out = finish(proc, timeout=120)
     incs = ws.incidents()
     summary = [(i["kind"], i["action"], i["onset_step"], i["decision"]) for i in incs]
     assert code == 0, (summary, out[-3000:])
