@@ -254,6 +254,15 @@ _TABLE = [
     # three tied, one of them stopped
     ("three-tied", ((2, 1600.0, 9), (0, 1600.02, 9), (1, 1600.08, 9)), frozenset({1}), 1,
      [0, 1, 2]),
+    # a busy machine ran the stopped rank's beat of the step well after its peer's
+    ("stopped-beat-step-last", ((1, 1600.0, 10), (0, 1650.0, 10)), frozenset({0}), 0, [0, 1]),
+    # ... so late that it is not stale yet when its peer is
+    ("stopped-not-stale-yet", ((1, 1600.0, 10), (0, 1750.0, 10)), frozenset({0}), 0, [0, 1]),
+    # the stopped rank is the oldest anyway: named alone, as before
+    ("stopped-oldest", ((0, 1500.0, 10), (1, 1600.0, 10)), frozenset({0}), 0, None),
+    # two stopped at that step, neither tied with the oldest: the oldest beat decides
+    ("two-stopped-late", ((2, 1500.0, 10), (0, 1600.0, 10), (1, 1650.0, 10)),
+     frozenset({0, 1}), 2, None),
 ]
 
 
@@ -266,7 +275,7 @@ def test_hang_names_a_rank_only_when_it_is_unambiguous(
     tied: list[int] | None,
 ) -> None:
     """The hung rank is the lowest step, then the oldest beat; a tie is unknown unless
-    exactly one of the tied ranks is stopped."""
+    exactly one of the tied ranks is stopped; the one stopped rank at that step is named."""
     fault = detect_hang(JOB, _snap(2000.0, ranks, stopped=stopped), HB)
     assert fault is not None
     assert fault.rank == named

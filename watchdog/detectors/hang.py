@@ -14,6 +14,9 @@ are read in batches (up to ~50 ms late, one receive time per batch), so ranks
 that stopped together have tied receive times; among ranks tied on step and
 within ``TIE_WINDOW`` of the oldest beat, the fault names one only when it is
 the single rank whose process is stopped (``snapshot.stopped``), else none.
+The single stopped rank at that step is named even when it beat the step later
+than the others, stale yet or not: ranks in lockstep (DDP) beat a step in any
+order, and a busy machine spreads those beats far beyond the batch window.
 """
 
 from __future__ import annotations
@@ -41,14 +44,20 @@ def _deciding(snap: HeartbeatSnapshot) -> tuple[tuple[RankView, ...], float]:
 
 
 def _culprit(
-    stale: list[RankView], stopped: frozenset[int]
+    deciding: tuple[RankView, ...], stale: list[RankView], stopped: frozenset[int]
 ) -> tuple[int | None, list[int], RankView]:
     """The rank to name (None: ambiguous), the ranks tied for it, and the
-    stale rank the evidence describes (the named one, else the oldest tied)."""
+    rank the evidence describes (the named one, else the oldest tied)."""
     low = min(r.step for r in stale)
-    at_low = sorted((r for r in stale if r.step == low), key=lambda r: (r.last_beat, r.rank))
-    oldest = at_low[0]
+    # Every rank still at that step (stale or not) has not got past it either.
+    at_low = sorted((r for r in deciding if r.step == low), key=lambda r: (r.last_beat, r.rank))
+    oldest = at_low[0]  # stale: at least one stale rank beat this step no later
     tied = [r for r in at_low if r.last_beat - oldest.last_beat <= TIE_WINDOW]
+    halted_at_low = [r for r in at_low if r.rank in stopped]
+    if len(halted_at_low) == 1 and halted_at_low[0] not in tied:
+        # It beat this step after the others (a busy machine ran it later), then
+        # stopped; the others wait for it in the step's collective.
+        return halted_at_low[0].rank, sorted(r.rank for r in at_low), halted_at_low[0]
     if len(tied) == 1:
         return oldest.rank, [oldest.rank], oldest
     halted = [r for r in tied if r.rank in stopped]
@@ -74,7 +83,7 @@ def detect_hang(job: str, snap: HeartbeatSnapshot, hb: Heartbeat) -> Fault | Non
     if snap.now < onset:
         return None
     stale = [r for r in deciding if r.last_beat + timeout <= snap.now]
-    rank, tied, ref = _culprit(stale, snap.stopped)
+    rank, tied, ref = _culprit(deciding, stale, snap.stopped)
     evidence: dict[str, object] = {
         "no_beat_for_s": round(snap.now - ref.last_beat, 3),
         "timeout_s": round(timeout, 3),
