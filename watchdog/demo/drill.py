@@ -194,6 +194,10 @@ def _loss_lines(inc: dict[str, Any], alerts: list[dict[str, Any]], drill: _Drill
     print(f"  skipped        steps {skip[0]}-{skip[1]}: attempt {attempt} was given "
           f"TRAINWATCH_SKIP_STEPS={skip[0]}:{skip[1]} and trained on none of their data"
           if skip else "  skipped        nothing: NO skip window reached the job")
+    rb = ev.get("rollback")
+    said = f"{rb.get('skip')}: {rb.get('skip_why')}" if isinstance(rb, dict) else "not recorded"
+    ok &= isinstance(rb, dict) and rb.get("skip") == "exact"
+    print(f"  skip           {said}")
     return ok
 
 

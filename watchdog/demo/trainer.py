@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resumed from {resume} at step {start}", flush=True)
     else:
         note(event="start", step=0, skip=skip)
+    # batch() draws step k's data from (seed, k): a rollback's skip is exact.
+    hb.data_order("step", "each batch is drawn from a generator seeded by (seed, step)",
+                  step=start)
     ckpt_dir = Path(args.ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     loss = float("nan")
