@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import json
 import random
+import socket
 import sys
 import textwrap
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import Workspace, finish, free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from trainwatch import client
 from trainwatch.actions import rollback
 from trainwatch.config import Backoff, Policy, Rollback
 from trainwatch.policy import RestartHistory, decide
+from trainwatch.sources.heartbeat import parse
 from trainwatch.types import DataOrder, Fault, FaultKind
 
 # A linear model fit by SGD; a checkpoint (and its report) after every step.
@@ -264,3 +268,21 @@ def test_the_skip_is_exact_only_where_the_data_order_follows_the_step(
     said = None if order is None else DataOrder(order[0], "why", order[1], 0, 0, 0.0)
     got, why = rollback.exactness(said, resumed)
     assert got == verdict, why
+
+
+def test_a_data_order_report_reaches_the_daemon_and_a_bad_one_is_refused(
+    tmp_path: Path
+) -> None:
+    """client.data_order() sends one datagram the heartbeat source turns into a DataOrder
+    (reason bounded); an order outside step/epoch-seeded/unknown is malformed."""
+    path = str(tmp_path / "hb.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(path)
+        hb = client.Heartbeat(path, rank=0)
+        assert hb.data_order("epoch-seeded", "x" * 5000, epoch_steps=8, step=24)
+        got = parse(s.recv(65536), pid=1, at=0.0)
+        hb.close()
+    assert isinstance(got, DataOrder)
+    assert (got.order, got.epoch_steps, got.step, len(got.why)) == ("epoch-seeded", 8, 24, 300)
+    with pytest.raises(ValueError):
+        parse(b'{"v":1,"k":"data","rank":0,"step":1,"order":"sideways"}', pid=1, at=0.0)
