@@ -83,10 +83,14 @@ install-venv:
 	rm -rf build/lib build/bdist.*; : "setuptools reuses these; a module moved away would linger"; \
 	pip="$$venv/bin/python -m pip install -q --disable-pip-version-check --upgrade"; \
 	if [ -n "$$root" ]; then pip="$$pip --no-compile"; fi; \
-	$$pip '.[systemd]' || { \
-	  echo "warning: systemd-python did not install (it builds with gcc, python3-dev," \
-	       "libsystemd-dev, pkg-config): no sd_notify, so Type=notify cannot start" >&2; \
-	  $$pip . ; }; \
+	log=$$(mktemp); \
+	if $$pip '.[systemd]' >"$$log" 2>&1; then rm -f "$$log"; else \
+	  echo "warning: systemd-python did not build (it needs gcc, python3-dev, libsystemd-dev" \
+	       "and pkg-config; pip said why in $$log). The daemon will still start under" \
+	       "Type=notify: it sends READY=1 through its own minimal sd_notify sender, and logs" \
+	       "without journald fields. Install those packages and run make install again for" \
+	       "systemd-python." >&2; \
+	  $$pip . ; fi; \
 	$$pip 'py-spy>=0.4' || echo "warning: py-spy did not install: incidents keep no stacks" >&2; \
 	$$pip '.[snapshot]' || echo "warning: zstandard/s3fs did not install: no pull of snapshots from a remote store" >&2; \
 	if [ -n "$$root" ]; then \
