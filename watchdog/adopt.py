@@ -132,6 +132,7 @@ def _adopt_attempt(r: JobRunner, rt: runtime.Runtime) -> bool:
     r.attempt = a
     r.outages.started(a.started)
     r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
+    r.first_failure.new_attempt(a.started)
     # One that ended unwatched: its rings still hold the steps it reached (its
     # last_step saved here is from the last state change, often step 1).
     r.intake.new_attempt(a.ring_dir, ended=a.poll_exit() is not None)

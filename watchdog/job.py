@@ -39,6 +39,7 @@ from trainwatch.drill import DrillNotice
 from trainwatch.export import status
 from trainwatch.export.goodput import Goodput
 from trainwatch.export.metrics import Events
+from trainwatch.firstfailure import FirstFailure
 from trainwatch.gpuwatch import GpuWatch
 from trainwatch.intake import Intake
 from trainwatch.logwatch import LogWatch
@@ -144,6 +145,7 @@ class JobRunner:
                              self._on_beats, self._on_report,
                              max_rings=2 * job.heartbeat.max_ranks)
         self.socket = self.intake.socket
+        self.first_failure = FirstFailure(selector, clock, 2 * job.heartbeat.max_ranks)
         # For the exporter: the catalog's summary, and the time faults cost.
         self.checkpoints = Summary()
         self.checkpoints_at = 0.0
@@ -315,6 +317,7 @@ class JobRunner:
                 and now - a.started >= _RUNNING_WITHOUT_BEATS
             ):
                 self.to(JobState.RUNNING, f"up {_RUNNING_WITHOUT_BEATS:g}s without heartbeats")
+            self.first_failure.tick(self, now)  # the rank processes, watched
             logwatch.check(self, now)
             stallwatch.check(self, now)
             if self.state not in (JobState.STARTING, JobState.RUNNING):

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
+from trainwatch import firstfailure
 from trainwatch.actions import evidence, hook, rollback
 from trainwatch.actions import stop as stopping
 from trainwatch.evidence import series
@@ -79,6 +80,7 @@ def keep_series(r: JobRunner, fault: Fault, incident: int) -> None:
 def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
     a = r.attempt
     assert a is not None
+    fault = firstfailure.explain(r, fault)  # a crash: the rank that failed first
     now = r.clock()
     exited = a.returncode is not None
     resumed = a.resumed_step

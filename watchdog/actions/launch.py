@@ -107,6 +107,7 @@ def launch(r: JobRunner, reason: str) -> None:
     r.over_cap_before += r.ranks.over_cap  # counters that outlive an attempt
     r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
     r.intake.new_attempt(a.ring_dir)
+    r.first_failure.new_attempt(a.started)
     r.catalog.seal_quarantine()
     r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
     logwatch.follow(r, a, from_end=False)

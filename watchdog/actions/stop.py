@@ -9,6 +9,7 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from trainwatch import firstfailure
 from trainwatch.actions import evidence, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.evidence.capture import Capture
@@ -68,6 +69,7 @@ def advance(r: JobRunner, now: float) -> None:
         begin(a, r.config.observe_only)
     if not progress(s, a, now, r.policy.kill_grace, r.config.observe_only, r.job.name):
         return
+    firstfailure.after_stop(r, a, s.incident)  # its output is complete now
     if a is not None:
         if a.pidfd is not None and a.pidfd in r.sel.get_map():
             r.sel.unregister(a.pidfd)

@@ -1,0 +1,111 @@
+"""The rank that failed first, named in the incident of a crash (or an OOM).
+
+Two sources. First, the ranks' own exits as they happen (sources/rankexits.py):
+which rank's process ended first and how (a signal, an exit code), whatever
+launched it, no text needed. Second, torchrun's summary in the job's output
+(detectors/torchrun.py: "Root Cause (first observed failure)"), read from the
+end of the attempt's log when the incident is recorded and, if it was not
+printed yet (a log rule may fire on the first lines of it), once more when the
+attempt is gone; it is kept beside the first, and names the rank only where
+the exits did not.
+
+Rank processes are looked for in the job's tree every second until some are
+found (for at most a minute: torchrun's workers appear after its rendezvous),
+then at doubling intervals up to every 30 s (a scan lists the host's processes
+where the attempt has no cgroup); and every tick among the pids its ranks beat
+from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from trainwatch.detectors.torchrun import root_cause
+from trainwatch.evidence.logtail import read_tail
+from trainwatch.sources.rankexits import RankExits, rank_processes
+from trainwatch.types import Fault, FaultKind, JobState
+
+if TYPE_CHECKING:
+    import selectors
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from trainwatch.actions.attempt import Attempt
+    from trainwatch.job import JobRunner
+
+_FIRST_SCAN = 1.0
+_MAX_SCAN = 30.0
+_EAGER_FOR = 60.0  # seconds into an attempt that ranks are looked for every second
+_TAIL_BYTES = 64 * 1024  # torchrun's summary is the last thing it prints
+_KINDS = (FaultKind.CRASH, FaultKind.OOM)
+
+
+class FirstFailure:
+    """One job's: the current attempt's rank exits and when to look for ranks next."""
+
+    def __init__(self, sel: selectors.BaseSelector, clock: Callable[[], float],
+                 max_ranks: int) -> None:
+        self.exits = RankExits(sel, clock, max_watched=max_ranks)
+        self.scan_at = self.eager_until = 0.0
+        self.scan_every = _FIRST_SCAN
+        self.pending = False  # torchrun's summary not read yet for the incident
+
+    def new_attempt(self, started: float) -> None:
+        self.exits.close()
+        self.scan_every, self.scan_at, self.pending = _FIRST_SCAN, started + _FIRST_SCAN, False
+        self.eager_until = started + _EAGER_FOR
+
+    def tick(self, r: JobRunner, now: float) -> None:
+        """Watch the attempt's rank processes found since the last tick."""
+        a = r.attempt
+        if a is None or a.closed or r.state not in (JobState.STARTING, JobState.RUNNING):
+            return
+        pids: set[int] = set()
+        if now >= self.scan_at:
+            self.scan_at = now + self.scan_every
+            if self.exits.watched or now >= self.eager_until:
+                self.scan_every = min(_MAX_SCAN, 2 * self.scan_every)
+            pids = a.tree.scan()
+        for pid, rank in rank_processes(pids, r.stall.sampler.rank_of, r.ranks.pids()).items():
+            self.exits.watch(rank, pid)
+
+
+def _torchrun(log: Path) -> dict[str, object] | None:
+    try:
+        return root_cause(read_tail(log, _TAIL_BYTES))
+    except OSError:
+        return None
+
+
+def explain(r: JobRunner, fault: Fault) -> Fault:
+    """The fault with the rank that failed first and how, where it is known."""
+    a = r.attempt
+    if fault.kind not in _KINDS or a is None:
+        return fault
+    w = r.first_failure
+    evidence, rank = dict(fault.evidence), fault.rank
+    first = w.exits.first_failure()
+    if first is not None:
+        evidence["first_failure"] = first.evidence()
+        rank = first.rank if rank is None else rank
+    said = _torchrun(a.log_path)
+    if said is not None:
+        evidence["torchrun_root_cause"] = said
+        named = said.get("rank")
+        rank = named if rank is None and isinstance(named, int) else rank
+    w.pending = said is None
+    return dataclasses.replace(fault, rank=rank, evidence=evidence)
+
+
+def after_stop(r: JobRunner, a: Attempt | None, incident: int) -> None:
+    """The attempt is gone and its output complete: torchrun's summary, if the
+    incident was recorded before it was printed. Then stop watching its ranks."""
+    w = r.first_failure
+    if w.pending and a is not None and incident >= 0:
+        said = _torchrun(a.log_path)
+        if said is not None:
+            named = said.get("rank")
+            r.ledger.amend(incident, {"torchrun_root_cause": said},
+                           named if isinstance(named, int) else None)
+    w.new_attempt(r.clock())
