@@ -9,6 +9,7 @@ a real S3 server over HTTP (moto_server, tests/s3server.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from conftest import Workspace, finish
 from test_snapshot_remote import files, leaf_bytes, make_snapshot
 from trainwatch.snapshot import limits
 from trainwatch.snapshot.format import CHUNK, Chunk, Leaf, Manifest, read
-from trainwatch.snapshot.remote import Remote, RemoteError, pull, upload
+from trainwatch.snapshot.remote import Remote, RemoteError, pull, steps, upload
 
 if TYPE_CHECKING:
     from s3server import S3Bucket
@@ -268,3 +269,119 @@ def test_when_every_snapshot_is_damaged_the_pull_fails_in_one_line(
         pull(s3.url, str(tmp_path / "fresh"))
     assert "\n" not in str(e.value)
     assert not list((tmp_path / "fresh").glob("snapshot-*"))
+
+
+# -- C13: the pull uses the job's credentials; a failed pull never starts over a remote --
+
+
+def _daemon_env(tmp: Path) -> dict[str, str]:
+    """trainwatch's own environment without any AWS credential or endpoint, and a HOME
+    without ~/.aws: only the job's env can reach the server."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("AWS_") and not k.startswith("TRAINWATCH_")}
+    home = tmp / "daemon-home"
+    home.mkdir(exist_ok=True)
+    return {**env, "HOME": str(home), "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+def _snapjob(ws: Workspace, s3: S3Bucket, steps: int, on_pull_failure: str | None = None,
+             ) -> tuple[int, str]:
+    """`trainwatch run --config` of the numpy Snapshotter job, the S3 credentials and
+    endpoint only in the job's ``env:``; (exit code, output)."""
+    out = ws.root / "final"
+    cmd = [sys.executable, str(SNAPJOB), "numpy", "--dir", str(ws.ckpt), "--steps", str(steps),
+           "--remote", s3.url, "--out", str(out)]
+    cp: dict[str, object] = {"dir": str(ws.ckpt), "layout": "trainwatch", "remote": s3.url}
+    if on_pull_failure is not None:
+        cp["on_pull_failure"] = on_pull_failure
+    cfg = ws.config({"command": cmd, "env": dict(s3.env), "checkpoints": cp},
+                    {"max_restarts": 0})
+    p = subprocess.Popen([sys.executable, "-m", "trainwatch.cli", "run", "--config", str(cfg),
+                          "--no-passthrough"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, env=_daemon_env(ws.root))
+    ws.procs.append(p)
+    return finish(p, timeout=90)
+
+
+def _attempts(ws: Workspace) -> list[str]:
+    log = ws.root / "final.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_the_pull_uses_the_credentials_in_the_jobs_env(ws: Workspace, s3: S3Bucket) -> None:
+    """S3 credentials and endpoint only in the job's `env:` (trainwatch's own environment
+    has none): the pull reaches the server with them, and the job resumes from step 20."""
+    src = ws.root / "src"
+    r = subprocess.run([sys.executable, str(SNAPJOB), "numpy", "--dir", str(src), "--steps",
+                        "20", "--remote", s3.url, "--out", str(ws.root / "first")],
+                       env=s3.subprocess_env(), capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    assert steps(s3.url)[-1] == 20
+    rc, out = _snapjob(ws, s3, 30)
+    assert rc == 0, out
+    assert "pulled the newest snapshot" in out, out
+    assert _attempts(ws)[0].startswith("attempt 0 from 20 ("), (_attempts(ws), out)
+
+
+def _old_run(s3: S3Bucket, tmp: Path) -> list[str]:
+    """An older run's snapshots of steps 100 and 200 on the remote, every manifest
+    damaged; the names of the remote's objects at the top."""
+    src = tmp / "old-run"
+    for step in (100, 200):
+        upload(s3.url, make_snapshot(src, step, [leaf_bytes(step)]))
+    r = Remote(s3.url)
+    for step in (100, 200):
+        r.fs.pipe_file(f"{r.root}/snapshot-{step}.json", b'{"format": "trainw')
+    return _top(s3)
+
+
+def _top(s3: S3Bucket) -> list[str]:
+    r = Remote(s3.url)
+    r.fs.invalidate_cache()
+    return sorted(str(p).rsplit("/", 1)[-1] for p in r.fs.ls(r.root, detail=False)
+                  if not str(p).endswith("/blobs"))
+
+
+def test_a_failed_pull_stops_the_job_rather_than_start_over_the_remote(
+        ws: Workspace, s3: S3Bucket) -> None:
+    """Every remote snapshot damaged (the pull fails), on_pull_failure unset (stop): the job
+    never starts, trainwatch says why in one loud line, and the remote keeps only the old
+    run's manifests, none replaced or added."""
+    before = _old_run(s3, ws.root)
+    rc, out = _snapjob(ws, s3, 30)
+    assert rc != 0, out
+    assert _attempts(ws) == [], out
+    assert "not starting fresh over a remote that may hold snapshots" in out, out
+    assert "-> fatal" in out, out
+    assert _top(s3) == before == ["snapshot-100.json", "snapshot-200.json"]
+
+
+def test_a_failed_pull_with_retire_retires_the_remote_then_starts_fresh(
+        ws: Workspace, s3: S3Bucket) -> None:
+    """on_pull_failure: retire: the old run's manifests are renamed *.json.retired first, then
+    the job starts fresh; the remote lists only the new run's snapshots, never a mix."""
+    _old_run(s3, ws.root)
+    rc, out = _snapjob(ws, s3, 30, on_pull_failure="retire")
+    assert rc == 0, out
+    assert "retired the remote's snapshots of steps [100, 200]" in out, out
+    assert _attempts(ws)[0].startswith("attempt 0 from 0"), _attempts(ws)
+    listed = steps(s3.url)  # the uploader's newest-wins may skip some of the new run's
+    assert listed[-1] == 30 and set(listed) <= {5, 10, 15, 20, 25, 30}, listed
+    assert {"snapshot-100.json.retired", "snapshot-200.json.retired"} <= set(_top(s3))
+
+
+def test_on_pull_failure_accepts_stop_or_retire_only(tmp_path: Path) -> None:
+    """checkpoints.on_pull_failure: anything but stop or retire is one line naming the field."""
+    from trainwatch.config import ConfigError, from_mapping
+
+    def cp(value: object) -> object:
+        return from_mapping({"jobs": [{"name": "j", "command": ["x"], "checkpoints": {
+            "dir": "/d", "remote": "s3://b/p", "on_pull_failure": value}}]}, "c.yaml"
+        ).jobs[0].checkpoints.on_pull_failure
+
+    assert cp("retire") == "retire"
+    with pytest.raises(ConfigError, match=r"checkpoints\.on_pull_failure: expected stop or "
+                       "retire") as e:
+        cp("start_over")
+    assert "\n" not in str(e.value)

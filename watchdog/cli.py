@@ -173,6 +173,8 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
     if args.resume_arg:
         if not any("{checkpoint}" in a for a in args.resume_arg):
             raise ConfigError("--resume-arg: expected an argument containing {checkpoint}")
+    if args.on_pull_failure is not None:
+        cp = replace(cp, on_pull_failure=args.on_pull_failure)
         job = replace(job, resume_args=tuple(args.resume_arg))
     job = replace(job, heartbeat=hb, checkpoints=cp)
     policies = dict(config.policies)
@@ -312,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kill-grace", type=_duration, metavar="DURATION",
                    help="SIGTERM, then SIGKILL after this long (default 30s)")
     r.add_argument("--metrics-port", type=_port,
+    r.add_argument("--on-pull-failure", choices=("stop", "retire"),
+                   help="when the pull from --remote fails: stop (default: the job goes fatal"
+                        " rather than start fresh over the remote's snapshots) or retire (the"
+                        " remote's snapshots renamed *.json.retired, then a fresh start)")
                    help="the Prometheus exporter's port (default 9445; 0: off)")
     r.add_argument("--metrics-address", type=_address,
                    help="the exporter's listen address (default 127.0.0.1; 0.0.0.0 for a"

@@ -3,14 +3,24 @@ before a launch: the newest one when no good checkpoint is on local disk (a
 relaunch on a fresh host), or the step an operator's rollback names when only
 the remote holds it.
 
-The pull (trainwatch.snapshot.remote: fsspec, hashes checked, published into
-``checkpoints.dir`` through staging) runs in a thread of its own, so the
-supervisor's loop never waits on the network: the launch waits in BACKOFF,
-polled, as it waits for a verification (actions/verify.py). A pull that fails
-is one log line, counted with the fresh starts, and the job starts fresh (or,
-for a rollback, from the newest good one before the step); the next launch
-without a good checkpoint tries again. fsspec and s3fs are imported only in
-that thread: a daemon without remotes never loads them.
+The pull (trainwatch.snapshot.remote.pull: fsspec, claims capped, hashes
+checked, the newest intact snapshot published into ``checkpoints.dir`` through
+staging) runs in a thread of its own, so the supervisor's loop never waits on
+the network: the launch waits in BACKOFF, polled, as it waits for a
+verification (actions/verify.py). It reaches the remote with the credentials
+the job's own uploads use: the job's environment (its ``env:``, its user's
+HOME), not the daemon's.
+
+A pull that fails (or a remote that cannot be listed) never lets a run start
+fresh over a remote that may hold snapshots: its uploads would replace some of
+the old run's manifests and leave the rest, two runs mixed in one prefix.
+``checkpoints.on_pull_failure`` says what happens instead: ``stop`` (the
+default) makes the job fatal with one loud line and the exec hook (kind
+``pull_failed``); ``retire`` retires the remote's manifests (renamed
+``*.json.retired``, chunks kept) and then starts fresh, said loudly, or stops
+when the retirement fails too. A rollback whose pull failed resumes from the
+newest good local checkpoint before its step when there is one. fsspec and
+s3fs are imported only in that thread: a daemon without remotes never loads them.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import credentials
+from trainwatch import respond
+from trainwatch.actions import credentials, jobenv
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
@@ -48,8 +59,16 @@ class Pull:
     step: int | None  # None: the newest on the remote
     reason: str  # the launch's, kept across the wait in BACKOFF
     owner: tuple[int, int] | None = None  # the job's uid, gid when not ours
+    # The environment whose credentials reach the remote: the job's (None: ours).
+    env: dict[str, str] | None = field(default=None, repr=False)
+    # Failed, the launch would start fresh (no good local checkpoint to fall back
+    # on), and checkpoints.on_pull_failure is retire: retire the remote's manifests.
+    retire: bool = False
     result: str | None = None  # the local folder pulled; None: the remote holds none
+    skipped: tuple[tuple[int, str], ...] = ()  # newer snapshots skipped as damaged
     error: str | None = None
+    retired: list[int] | None = None  # the steps retired after a failure
+    retire_error: str | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -57,14 +76,7 @@ class Pull:
 
         def run() -> None:
             try:
-                from trainwatch.snapshot import remote
-
-                if not os.path.isdir(self.root):  # a fresh host: made here, as root
-                    os.makedirs(self.root)
-                    made.append(self.root)
-                self.result = remote.pull(self.url, self.root, self.step).folder
-            except Exception as e:  # anything from the network or the store: one line
-                self.error = _one_line(e)
+                self._run(made)
             finally:  # pulled or not: what we made is the job's, or it cannot save
                 if self.owner is not None:
                     with contextlib.suppress(OSError):
@@ -72,6 +84,26 @@ class Pull:
 
         self.thread = threading.Thread(target=run, name="trainwatch-pull", daemon=True)
         self.thread.start()
+
+    def _run(self, made: list[str]) -> None:
+        """The pull, and (failed, ``retire`` set) the remote's retirement: plain
+        functions of the URL, the folder, the step and the job's environment."""
+        from trainwatch.snapshot import remote
+
+        try:
+            if not os.path.isdir(self.root):  # a fresh host: made here, as root
+                os.makedirs(self.root)
+                made.append(self.root)
+            got = remote.pull(self.url, self.root, self.step, self.env)
+            self.result, self.skipped = got.folder, got.skipped
+        except Exception as e:  # anything from the network or the store: one line
+            self.error = _one_line(e)
+        if self.error is None or not self.retire:
+            return
+        try:
+            self.retired = remote.retire(self.url, self.env)
+        except Exception as e:  # the same: one line, and the job stops
+            self.retire_error = _one_line(e)
 
     @property
     def done(self) -> bool:
@@ -152,6 +184,14 @@ def newest(r: JobRunner, reason: str) -> None:
     begin(r, None, reason)
 
 
+def environment(r: JobRunner, ident: credentials.Identity | None) -> dict[str, str]:
+    """The environment the job's attempts get, but trainwatch's own variables:
+    whose AWS credentials, endpoint and HOME its uploads use (actions/jobenv.py)."""
+    env = jobenv.base(r.job, ident, r.die_with_parent, os.environ)
+    env.update(r.job.env)
+    return env
+
+
 def begin(r: JobRunner, step: int | None, reason: str) -> None:
     """Start pulling (no-op when a pull is already under way for ``r``)."""
     spec = r.job.checkpoints
@@ -162,7 +202,11 @@ def begin(r: JobRunner, step: int | None, reason: str) -> None:
     except (KeyError, OSError):
         ident = None  # the launch says so
     owner = (ident.uid, ident.gid) if ident and ident.uid != os.geteuid() else None
-    p = Pull(spec.remote, r.catalog.spec.dir or spec.dir, step, reason, owner)
+    # Failed, would the launch start fresh? Always for the newest; for a rollback's
+    # step, when no good local checkpoint before it is there to resume from.
+    fresh = step is None or r.catalog.last_good(before_step=step, fresh=False) is None
+    p = Pull(spec.remote, r.catalog.spec.dir or spec.dir, step, reason, owner,
+             environment(r, ident), fresh and spec.on_pull_failure == "retire")
     log.info("job %s: pulling %s from %s", r.job.name, p.what, spec.remote)
     p.start()
     _pulls[r] = p
@@ -185,20 +229,54 @@ def wait(r: JobRunner, reason: str) -> str | None:
         if r.state is JobState.BACKOFF:
             r.relaunch_at = r.clock() + POLL
             return None
-        log.warning("job %s: %s from %s not pulled in %gs: launching without it", r.job.name,
-                    p.what, p.url, WAIT_MAX)
-        return reason  # the pull goes on; the next launch finds it on disk
+        # Never launched fresh meanwhile: its uploads would go over the remote's
+        # snapshots. The pull goes on; the operator's next start finds it on disk.
+        log.error("job %s: %s from %s not pulled in %gs: not launching (the job stays %s); "
+                  "start it again once the pull is done", r.job.name, p.what, p.url, WAIT_MAX,
+                  r.state.value if r.state else "-")
+        return None
     del _pulls[r]
     if p.error is not None:
-        r.events.fresh_starts.labels(r.job.name).inc()
-        log.error("job %s: pulling %s from %s failed (%s): %s", r.job.name, p.what, p.url,
-                  p.error, "starting fresh" if p.step is None else "resuming from the newest "
-                  f"good checkpoint before step {p.step}")
-    elif p.result is None:
+        return _failed(r, p)
+    if p.result is None:
         log.warning("job %s: %s holds no %s: %s", r.job.name, p.url,
                     "snapshot" if p.step is None else f"snapshot of step {p.step}",
                     "starting fresh" if p.step is None else "resuming from the newest good "
                     "checkpoint before it")
+    elif p.skipped:
+        said = "; ".join(f"step {s}: {why}" for s, why in p.skipped)
+        log.warning("job %s: pulled an older snapshot from %s into %s: the newer one(s) are "
+                    "damaged (%s)", r.job.name, p.url, p.result, said)
     else:
         log.info("job %s: pulled %s from %s into %s", r.job.name, p.what, p.url, p.result)
     return p.reason
+
+
+def _failed(r: JobRunner, p: Pull) -> str | None:
+    """The pull failed: the launch's reason when it may go on (from an older local
+    checkpoint, or fresh over a remote whose manifests were just retired); None
+    when the job stops instead of starting fresh over the remote's snapshots."""
+    name, spec = r.job.name, r.job.checkpoints
+    if p.step is not None and r.catalog.last_good(before_step=p.step, fresh=False) is not None:
+        log.error("job %s: pulling %s from %s failed (%s): resuming from the newest good "
+                  "checkpoint before step %d", name, p.what, p.url, p.error, p.step)
+        return p.reason
+    r.events.fresh_starts.labels(name).inc()
+    if p.retired is not None:
+        log.error("job %s: pulling %s from %s failed (%s); checkpoints.on_pull_failure is "
+                  "retire: retired the remote's snapshots of steps %s (renamed *.json.retired, "
+                  "chunks kept): starting fresh", name, p.what, p.url, p.error,
+                  p.retired or "none")
+        return p.reason
+    why = f"pulling {p.what} from {p.url} failed ({p.error})"
+    if p.retire_error is not None:
+        why += f"; retiring its snapshots failed too ({p.retire_error})"
+    why += (": not starting fresh over a remote that may hold snapshots (checkpoints."
+            f"on_pull_failure: {spec.on_pull_failure}; fix the remote or its credentials in "
+            "the job's env, or set it to retire to start over)")
+    log.error("job %s: %s", name, why)
+    _tried.pop(r, None)  # an operator's start tries the pull again
+    respond.run_exec_hook(r, "pull_failed", None)
+    if r.state is None or r.state is JobState.BACKOFF:
+        r.to(JobState.FATAL, why)
+    return None
