@@ -14,5 +14,8 @@ inclusive at both ends. Every step in it is passed through without training:
 its data is drawn and dropped (no forward, no backward, no optimizer update)
 and it is beaten with no values, so step numbers, the learning-rate schedule by
 step and the data of every later step stay those of an uninterrupted run (as
-Megatron-LM's skipped iterations do).
+Megatron-LM's skipped iterations do). That skips the very data of those steps
+only when the batch of step k is a function of k; each integration says whether
+its loader makes it so (``client.Heartbeat.data_order``), and the rollback
+records the skip as exact or approximate (actions/rollback.py).
 """

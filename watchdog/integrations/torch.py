@@ -4,6 +4,7 @@ checkpoints, resume, and the rollback's skip window.
     from trainwatch.integrations.torch import Watch
     w = Watch()
     start = load(w.resume_from()) if w.resume_from() else 0   # the step it holds
+    w.data_order("step", "batch k drawn from a sampler seeded by k")  # the skip is exact
     for step, batch in w.steps(batches_from(start + 1), first=start + 1):
         loss = model(batch).mean()
         loss.backward()
