@@ -2,7 +2,7 @@
 with its incident as ``<incident folder>/series.json``: the steps from
 ``BEFORE`` before the onset to ``AFTER`` after it, as far as the job had beaten
 them when the incident was recorded (the steps up to the one it was noticed
-at). Bounded: at most BEFORE + AFTER + 1 points, about 40 KB.
+at). Bounded: at most BEFORE + AFTER + 1 points, about 56 KB.
 
 The file: ``{"rank", "onset_step", "noticed_step", "steps": [...], "loss": [...],
 "grad_norm": [...]}``, one entry per step; a value the job did not send is
