@@ -334,6 +334,14 @@ def metrics_rows(m: dict[str, Any]) -> list[Row]:
     ]
 
 
+def scrape_held_rows(h: dict[str, Any]) -> list[Row]:
+    """bench_scrape_held.py: scrapes served while connections are held and reopened."""
+    served = h["served_median"]
+    return [(f"/metrics scrapes served, {h['held']} connections held and reopened",
+             f"{served:g}/{h['scrapes']}", "-", f"{len(h['trials'])} trials", "≥ 19/20",
+             "yes" if served >= 19 else "NO")]
+
+
 def snapshot_rows(s: dict[str, Any]) -> list[Row]:
     """bench_snapshot.py: blocked per save, bytes per snapshot, restore, zstd."""
     rows: list[Row] = []
@@ -452,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             m = run_one("bench_metrics.py", [], d / "metrics.json")
             rows += metrics_rows(m) if m else []
             failed += [] if m else ["bench_metrics"]
+            h = run_one("bench_scrape_held.py", [], d / "scrape_held.json")
+            rows += scrape_held_rows(h) if h else []
+            failed += [] if h else ["bench_scrape_held"]
         if "snapshot" in only:
             n = run_one("bench_snapshot.py", [], d / "snapshot.json")
             rows += snapshot_rows(n) if n else []
