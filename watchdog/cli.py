@@ -163,6 +163,8 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
         except ValueError:
             raise ConfigError(f"--remote: expected {fields.REMOTE}, got "
                               f"{fields.show(args.remote)}") from None
+    if args.on_pull_failure is not None:
+        cp = replace(cp, on_pull_failure=args.on_pull_failure)
     if cp.remote is not None:
         if cp.layout not in REMOTE_LAYOUTS:
             raise ConfigError(f"--remote: expected --layout trainwatch or auto (the remote holds "
@@ -173,8 +175,6 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
     if args.resume_arg:
         if not any("{checkpoint}" in a for a in args.resume_arg):
             raise ConfigError("--resume-arg: expected an argument containing {checkpoint}")
-    if args.on_pull_failure is not None:
-        cp = replace(cp, on_pull_failure=args.on_pull_failure)
         job = replace(job, resume_args=tuple(args.resume_arg))
     job = replace(job, heartbeat=hb, checkpoints=cp)
     policies = dict(config.policies)
@@ -296,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a remote snapshot store, e.g. s3://bucket/prefix: with no good local"
                         " checkpoint, the newest snapshot is pulled from it before a launch"
                         " (credentials from the AWS environment or files only)")
+    r.add_argument("--on-pull-failure", choices=("stop", "retire"),
+                   help="when the pull from --remote fails: stop (default: the job goes fatal"
+                        " rather than start fresh over the remote's snapshots) or retire (the"
+                        " remote's snapshots renamed *.json.retired, then a fresh start)")
     r.add_argument("--resume-arg", action="append", metavar="ARG",
                    help="appended when resuming; repeat; e.g. --resume-arg=--resume "
                         "--resume-arg={checkpoint}")
@@ -314,10 +318,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kill-grace", type=_duration, metavar="DURATION",
                    help="SIGTERM, then SIGKILL after this long (default 30s)")
     r.add_argument("--metrics-port", type=_port,
-    r.add_argument("--on-pull-failure", choices=("stop", "retire"),
-                   help="when the pull from --remote fails: stop (default: the job goes fatal"
-                        " rather than start fresh over the remote's snapshots) or retire (the"
-                        " remote's snapshots renamed *.json.retired, then a fresh start)")
                    help="the Prometheus exporter's port (default 9445; 0: off)")
     r.add_argument("--metrics-address", type=_address,
                    help="the exporter's listen address (default 127.0.0.1; 0.0.0.0 for a"
