@@ -118,9 +118,10 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def steps(url: str, timeout: float = LIST_MAX) -> list[int]:
-    """The steps of the snapshots ``url`` holds, listed in a thread the caller
-    waits for at most ``timeout``; a ValueError of one line when it cannot."""
+def steps(url: str, timeout: float = LIST_MAX, env: dict[str, str] | None = None) -> list[int]:
+    """The steps of the snapshots ``url`` holds (reached with ``env``'s credentials:
+    the job's), listed in a thread the caller waits for at most ``timeout``; a
+    ValueError of one line when it cannot."""
     got: list[list[int]] = []
     error: list[str] = []
 
@@ -128,7 +129,7 @@ def steps(url: str, timeout: float = LIST_MAX) -> list[int]:
         try:
             from trainwatch.snapshot import remote
 
-            got.append(remote.steps(url))
+            got.append(remote.steps(url, env))
         except Exception as e:  # anything from the network or the store: one line
             error.append(_one_line(e))
 
@@ -184,9 +185,18 @@ def newest(r: JobRunner, reason: str) -> None:
     begin(r, None, reason)
 
 
-def environment(r: JobRunner, ident: credentials.Identity | None) -> dict[str, str]:
+def _ident(r: JobRunner) -> credentials.Identity | None:
+    try:
+        return credentials.resolve(r.job.user, r.job.group)
+    except (KeyError, OSError):
+        return None  # the launch says so
+
+
+def environment(r: JobRunner, ident: credentials.Identity | None = None) -> dict[str, str]:
     """The environment the job's attempts get, but trainwatch's own variables:
     whose AWS credentials, endpoint and HOME its uploads use (actions/jobenv.py)."""
+    if ident is None:
+        ident = _ident(r)
     env = jobenv.base(r.job, ident, r.die_with_parent, os.environ)
     env.update(r.job.env)
     return env
@@ -197,10 +207,7 @@ def begin(r: JobRunner, step: int | None, reason: str) -> None:
     spec = r.job.checkpoints
     if r in _pulls or spec.remote is None or spec.dir is None:
         return
-    try:
-        ident = credentials.resolve(r.job.user, r.job.group)
-    except (KeyError, OSError):
-        ident = None  # the launch says so
+    ident = _ident(r)
     owner = (ident.uid, ident.gid) if ident and ident.uid != os.geteuid() else None
     # Failed, would the launch start fresh? Always for the newest; for a rollback's
     # step, when no good local checkpoint before it is there to resume from.

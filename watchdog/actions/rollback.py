@@ -40,7 +40,8 @@ def to_step(r: JobRunner, step: int, reason: str) -> str:
     if entry is None and remote is not None and root is not None:
         if pull.pending(r):
             raise ValueError(f"a pull from {remote} is under way: try again once it is done")
-        held = pull.steps(remote)  # before anything is touched: a step it lacks is refused
+        # Before anything is touched (a step it lacks is refused), with the job's credentials.
+        held = pull.steps(remote, env=pull.environment(r))
         if step not in held:
             have = [e.step for e in entries if e.good]
             raise ValueError(f"no snapshot of step {step} on local disk (good: {have or 'none'}) "
