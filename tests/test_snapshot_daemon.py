@@ -8,6 +8,7 @@ where an uninterrupted run ends."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -235,29 +236,49 @@ def test_a_relaunch_on_an_empty_dir_pulls_the_newest_snapshot_and_resumes(
 
 
 @pytest.mark.parametrize("damaged", [False, True], ids=["pulled", "pull-failed"])
-def test_a_pull_as_root_hands_the_fresh_checkpoint_folder_to_the_jobs_user(
-        tmp_path: Path, s3: S3Bucket, damaged: bool) -> None:
-    """On a fresh host the daemon (root) makes checkpoints.dir: pulled or not, that
-    folder, the store and the pulled snapshot become the job's user's, or its saves fail;
-    a folder that was there before keeps its owner."""
+def test_a_pull_runs_as_the_jobs_user_so_what_it_makes_is_theirs_and_nothing_is_chowned(
+        tmp_path: Path, open_tmp: Path, s3: S3Bucket, damaged: bool) -> None:
+    """On a fresh host the pull runs in the job's hand (privsep): the checkpoint folder,
+    the store and the pulled snapshot are made by the job's user, pulled or not; a store
+    swapped for a link to root's folder is the user's to follow, and root's files
+    there keep their owner (the old pull chowned them to the user)."""
+    from trainwatch.actions import credentials
     from trainwatch.actions.pull import Pull
     from trainwatch.snapshot.remote import Remote, upload
 
     user = local_user("twtest1")
+    ident = credentials.resolve("twtest1", None)
     src = _snapshot(tmp_path / "src", 5, b"weights" * 1000)
     upload(s3.url, str(src))
     if damaged:  # the chunk on the remote rots: the pull fails after its staging began
         r = Remote(s3.url)
         name = _chunk_file(src).name
         r.fs.pipe(f"{r.root}/blobs/{name[:2]}/{name}", b"rot" * 2333)
-    root = tmp_path / "fresh-host" / "ckpt"
-    p = Pull(s3.url, str(root), None, "test", (user.pw_uid, user.pw_gid))
+    home = open_tmp / "home"
+    home.mkdir()
+    os.chown(home, user.pw_uid, user.pw_gid)
+    root = home / "ckpt"
+    p = Pull(s3.url, str(root), None, "test", ident, {**s3.env, "HOME": str(home)})
     p.start()
     assert p.thread is not None
-    p.thread.join(60)
+    p.thread.join(120)
     assert (p.error is not None) == damaged, p.error
     owned = [root, root / "blobs", *(root / "blobs").iterdir()]
     if not damaged:
         owned += [root / "snapshot-5", *(root / "snapshot-5").iterdir()]
     assert {str(q): q.lstat().st_uid for q in owned} == {str(q): user.pw_uid for q in owned}
-    assert (tmp_path / "fresh-host").stat().st_uid == 0  # not ours to give
+
+    # A second pull into a folder whose store the user swapped for a link to root's.
+    roots = open_tmp / "roots"
+    (roots / "ab").mkdir(parents=True)
+    (roots / "ab" / "keep").write_bytes(b"root's")
+    shutil.rmtree(root)
+    root.mkdir()
+    os.chown(root, user.pw_uid, user.pw_gid)
+    (root / "blobs").symlink_to(roots)
+    os.lchown(root / "blobs", user.pw_uid, user.pw_gid)
+    p = Pull(s3.url, str(root), None, "test", ident, {**s3.env, "HOME": str(home)})
+    p.start()
+    assert p.thread is not None
+    p.thread.join(120)
+    assert [q.stat().st_uid for q in [roots, roots / "ab", roots / "ab" / "keep"]] == [0, 0, 0]

@@ -5,11 +5,14 @@ the remote holds it.
 
 The pull (trainwatch.snapshot.remote.pull: fsspec, claims capped, hashes
 checked, the newest intact snapshot published into ``checkpoints.dir`` through
-staging) runs in a thread of its own, so the supervisor's loop never waits on
-the network: the launch waits in BACKOFF, polled, as it waits for a
-verification (actions/verify.py). It reaches the remote with the credentials
-the job's own uploads use: the job's environment (its ``env:``, its user's
-HOME), not the daemon's.
+staging) runs in a hand of the job's own (privsep): a process as the job's
+user, in the job's environment, so that it reaches the remote with the
+credentials the job's own uploads use (its ``env:``, its user's HOME), never
+the daemon's, and writes in the job's folder with the job's rights (what it
+makes is the job's; nothing is chowned, a link planted there is the user's to
+follow). A thread waits for it, so the supervisor's loop never waits on the
+network: the launch waits in BACKOFF, polled, as it waits for a verification
+(actions/verify.py).
 
 A pull that fails (or a remote that cannot be listed) never lets a run start
 fresh over a remote that may hold snapshots: its uploads would replace some of
@@ -25,22 +28,29 @@ s3fs are imported only in that thread: a daemon without remotes never loads them
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainwatch import respond
 from trainwatch.actions import credentials, jobenv
+from trainwatch.privsep.hand import Hand, HandError
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
     from trainwatch.job import JobRunner
 
 log = logging.getLogger("trainwatch")
+
+# A pull is the network's pace: bounded all the same (a hand that hangs is killed).
+PULL_TIMEOUT = 6 * 3600.0
+# What the pull's hand imports before it drops to the job's user.
+PRELOAD = ("trainwatch.snapshot.remote", "trainwatch.snapshot.fetch", "fsspec", "s3fs",
+           "aiobotocore.session", "botocore.session", "aiohttp", "certifi", "zstandard",
+           "xml.etree.ElementTree", "email.utils", "http.client", "ssl", "hmac", "uuid")
 
 POLL = 0.1  # how often a launch waiting for a pull looks again
 # Where the launch cannot wait in BACKOFF (an operator's start of a PAUSED job):
@@ -58,8 +68,8 @@ class Pull:
     root: str
     step: int | None  # None: the newest on the remote
     reason: str  # the launch's, kept across the wait in BACKOFF
-    owner: tuple[int, int] | None = None  # the job's uid, gid when not ours
-    # The environment whose credentials reach the remote: the job's (None: ours).
+    ident: credentials.Identity | None = None  # the job's user (None: as we run)
+    # The environment whose credentials reach the remote: the job's.
     env: dict[str, str] | None = field(default=None, repr=False)
     # Failed, the launch would start fresh (no good local checkpoint to fall back
     # on), and checkpoints.on_pull_failure is retire: retire the remote's manifests.
@@ -72,38 +82,33 @@ class Pull:
     thread: threading.Thread | None = field(default=None, repr=False)
 
     def start(self) -> None:
-        made: list[str] = []
-
-        def run() -> None:
-            try:
-                self._run(made)
-            finally:  # pulled or not: what we made is the job's, or it cannot save
-                if self.owner is not None:
-                    with contextlib.suppress(OSError):
-                        hand_over(self.root, self.result, *self.owner, made=bool(made))
-
-        self.thread = threading.Thread(target=run, name="trainwatch-pull", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="trainwatch-pull", daemon=True)
         self.thread.start()
 
-    def _run(self, made: list[str]) -> None:
-        """The pull, and (failed, ``retire`` set) the remote's retirement: plain
-        functions of the URL, the folder, the step and the job's environment."""
-        from trainwatch.snapshot import remote
-
+    def _run(self) -> None:
+        hand = Hand(f"pull of {self.root}", self.ident, env=self.env, preload=PRELOAD)
         try:
-            if not os.path.isdir(self.root):  # a fresh host: made here, as root
-                os.makedirs(self.root)
-                made.append(self.root)
-            got = remote.pull(self.url, self.root, self.step, self.env)
-            self.result, self.skipped = got.folder, got.skipped
-        except Exception as e:  # anything from the network or the store: one line
-            self.error = _one_line(e)
-        if self.error is None or not self.retire:
+            got = hand.call(pull_in_hand, self.url, self.root, self.step, self.retire,
+                            timeout=PULL_TIMEOUT)
+        except HandError as e:
+            self.error = f"no answer as the job's user: {e}"
             return
-        try:
-            self.retired = remote.retire(self.url, self.env)
-        except Exception as e:  # the same: one line, and the job stops
-            self.retire_error = _one_line(e)
+        finally:
+            hand.close()
+        if not isinstance(got, dict):
+            self.error = "the job's hand answered nonsense"
+            return
+        result, skipped = got.get("result"), got.get("skipped")
+        self.result = result if isinstance(result, str) else None
+        self.skipped = tuple((int(x[0]), str(x[1])[:300]) for x in skipped
+                             if isinstance(x, list) and len(x) == 2 and isinstance(x[0], int)
+                             ) if isinstance(skipped, list) else ()
+        for name in ("error", "retire_error"):
+            v = got.get(name)
+            setattr(self, name, str(v)[:300] if v is not None else None)
+        retired = got.get("retired")
+        self.retired = [int(x) for x in retired if isinstance(x, int)] \
+            if isinstance(retired, list) else None
 
     @property
     def done(self) -> bool:
@@ -112,6 +117,30 @@ class Pull:
     @property
     def what(self) -> str:
         return "the newest snapshot" if self.step is None else f"the snapshot of step {self.step}"
+
+
+def pull_in_hand(url: str, root: str, step: int | None, retire: bool) -> dict[str, Any]:
+    """In the job's hand, as its user, in its environment: the pull, and (failed,
+    ``retire`` set) the remote's retirement. A fresh host's checkpoint folder is
+    made here, the job's from the start."""
+    from trainwatch.snapshot import remote
+
+    out: dict[str, Any] = {"result": None, "skipped": [], "error": None, "retired": None,
+                           "retire_error": None}
+    env = dict(os.environ)
+    try:
+        os.makedirs(root, exist_ok=True)
+        got = remote.pull(url, root, step, env)
+        out["result"], out["skipped"] = got.folder, [list(x) for x in got.skipped]
+    except Exception as e:  # anything from the network or the store: one line
+        out["error"] = _one_line(e)
+    if out["error"] is None or not retire:
+        return out
+    try:
+        out["retired"] = remote.retire(url, env)
+    except Exception as e:  # the same: one line, and the job stops
+        out["retire_error"] = _one_line(e)
+    return out
 
 
 def _one_line(e: Exception) -> str:
@@ -141,26 +170,6 @@ def steps(url: str, timeout: float = LIST_MAX, env: dict[str, str] | None = None
     if error:
         raise ValueError(f"cannot list the snapshots of {url}: {error[0]}")
     return got[0]
-
-
-def hand_over(root: str, folder: str | None, uid: int, gid: int, made: bool = False) -> None:
-    """What a pull made, to the job's user (the daemon pulls as root): the
-    pulled snapshot's folder and files (hard links: the store's chunks with
-    them), and the folders we made (the checkpoint folder itself on a fresh
-    host (``made``), the store's), where the job's next saves stage and link chunks."""
-    if folder is not None:
-        for p in [folder, *(os.path.join(folder, n) for n in os.listdir(folder))]:
-            os.lchown(p, uid, gid)
-    store = os.path.join(root, "blobs")
-    try:
-        subs = [os.path.join(store, n) for n in os.listdir(store)]
-    except OSError:
-        subs = []
-    me = os.geteuid()
-    for p in ((root,) if made else ()) + (store, *subs):
-        with contextlib.suppress(OSError):
-            if os.lstat(p).st_uid == me:
-                os.lchown(p, uid, gid)
 
 
 # The pull a job's launch waits for (a weak map: no field on JobRunner for it).
@@ -208,11 +217,10 @@ def begin(r: JobRunner, step: int | None, reason: str) -> None:
     if r in _pulls or spec.remote is None or spec.dir is None:
         return
     ident = _ident(r)
-    owner = (ident.uid, ident.gid) if ident and ident.uid != os.geteuid() else None
     # Failed, would the launch start fresh? Always for the newest; for a rollback's
     # step, when no good local checkpoint before it is there to resume from.
     fresh = step is None or r.catalog.last_good(before_step=step, fresh=False) is None
-    p = Pull(spec.remote, r.catalog.spec.dir or spec.dir, step, reason, owner,
+    p = Pull(spec.remote, r.catalog.spec.dir or spec.dir, step, reason, ident,
              environment(r, ident), fresh and spec.on_pull_failure == "retire")
     log.info("job %s: pulling %s from %s", r.job.name, p.what, spec.remote)
     p.start()

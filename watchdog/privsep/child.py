@@ -11,6 +11,8 @@ read that blocks ends the hand even if root is gone; root kills it first.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import math
 import os
@@ -29,22 +31,29 @@ GROWTH_MAX = 128 << 20
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
             signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD, signal.SIGPIPE)
 
+# Imported lazily by the standard library where the hands' calls go (shutil.rmtree,
+# zip directories, JSON, errors): loaded before the drop.
+_ALWAYS = ("importlib.readers", "importlib.resources", "encodings.idna", "zipfile",
+           "pickletools", "json", "shutil", "tempfile", "traceback", "linecache")
+
 # What a call may keep for the next ones (a job's listing, digests of linked
 # files): lost with the hand, which each user of it must allow for.
 kept: dict[str, Any] = {}
 
 
-def serve(fd: int, ident: Identity | None, env: dict[str, str]) -> NoReturn:
+def serve(fd: int, ident: Identity | None, env: dict[str, str],
+          preload: tuple[str, ...] = ()) -> NoReturn:
     code = 70
     try:
-        _become(fd, ident, env)
+        _become(fd, ident, env, preload)
         _loop(socket.socket(fileno=fd))
         code = 0
     finally:
         os._exit(code)
 
 
-def _become(fd: int, ident: Identity | None, env: dict[str, str]) -> None:
+def _become(fd: int, ident: Identity | None, env: dict[str, str],
+            preload: tuple[str, ...]) -> None:
     for s in _SIGNALS:
         signal.signal(s, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
@@ -54,6 +63,13 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str]) -> None:
     os.close(null)
     os.closerange(3, fd)
     os.closerange(fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    # Imported as we are, in the job's environment (what the modules read of it at
+    # import), before the drop: the job's user may not read our code.
+    os.environ.clear()
+    os.environ.update(env)
+    for name in (*_ALWAYS, *preload):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     if ident is not None and (ident.uid, ident.gid) != (os.geteuid(), os.getegid()):
         os.setgroups(list(ident.groups))
         os.setresgid(ident.gid, ident.gid, ident.gid)
@@ -62,8 +78,6 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str]) -> None:
             os._exit(71)  # never go on with root's rights in a user's folder
     os.chdir("/")
     os.umask(0o077)
-    os.environ.clear()
-    os.environ.update(env)
 
 
 def _rss() -> int:

@@ -92,14 +92,17 @@ class Blobs:
 
 class Hand:
     def __init__(self, name: str, ident: Identity | None, *, cooldown: float = COOLDOWN,
-                 env: dict[str, str] | None = None,
+                 env: dict[str, str] | None = None, preload: tuple[str, ...] = (),
                  clock: Callable[[], float] = time.monotonic) -> None:
         """``ident``: the job's credentials; None runs as we do (still a process of
         its own: bounded in time). ``env``: the hand's environment (the job's, for
-        a pull that needs its credentials); by default an empty one."""
+        a pull that needs its credentials); by default an empty one. ``preload``:
+        modules the hand imports before it drops to the job's user (our own
+        code, which that user may not be able to read: a Python under /root)."""
         self.name = name
         self.ident = ident
         self.env = dict(env or {})
+        self.preload = preload
         self.cooldown = cooldown
         self.clock = clock
         self._lock = threading.Lock()
@@ -199,7 +202,7 @@ class Hand:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
         if pid == 0:  # the hand: never returns
-            child.serve(theirs.fileno(), self.ident, self.env)
+            child.serve(theirs.fileno(), self.ident, self.env, self.preload)
         theirs.close()
         self._pid, self._sock = pid, ours
         self.counts["spawns"] += 1
