@@ -101,9 +101,10 @@ def test_half_written_newest_is_skipped(ckpt_dir: Path, state: Path, kind: str) 
 
 
 def test_without_evidence_nothing_is_complete(ckpt_dir: Path, state: Path) -> None:
-    """With no report, marker or quiet_for, no checkpoint counts as complete, however old."""
+    """Layout generic with no report, marker or quiet_for: nothing is complete, however old
+    (auto judges a job that never reports by quiet time: test_numbered.py)."""
     _make(ckpt_dir, "step_10", "file", age=1e6)
-    cat = _catalog(ckpt_dir, state)
+    cat = Catalog(Checkpoints(dir=str(ckpt_dir), layout="generic"), state, clock=_clock)
     assert cat.last_good() is None
     assert [e.complete for e in cat.entries()] == [False]
 
@@ -217,7 +218,7 @@ def test_state_saved_for_another_owner_is_set_aside(ckpt_dir: Path, state: Path)
     mine = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner="project-a")
     mine.report(100, str(path))
     assert mine.last_good() is not None
-    theirs = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner="project-b")
+    theirs = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner="project-b", clock=_clock)
     assert theirs.reported == {} and theirs.last_good() is None  # fresh: not reported, no marker
 
 

@@ -43,12 +43,15 @@ DRILL = {
     "snapshot_train": ["--epochs", "9", "--save-every", "3", "--crash-at", "7"],
     "hf_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
     "lightning_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
+    # No client: step_N.pt found in the folder by name, handed back through --resume-from.
+    "plain_train": ["--steps", "9", "--ckpt-every", "3", "--crash-at", "7"],
 }
 NEEDS = {"hf_train": ("transformers", "accelerate"), "lightning_train": ("lightning",)}
 
 
 def test_the_readme_has_a_recipe_per_framework() -> None:
-    """Plain PyTorch, torchrun's snapshot.pt, HF Trainer, Lightning, DCP and trainwatch.snapshot."""
+    """Plain PyTorch, torchrun's snapshot.pt, HF Trainer, Lightning, DCP, trainwatch.snapshot,
+    and a torchrun job without the client."""
     assert set(recipes()) == set(DRILL)
 
 

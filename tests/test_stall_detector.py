@@ -128,10 +128,15 @@ def test_silence_and_idle_cpu_stand_in_for_the_client(silent_for: float | None,
         assert f.evidence["client"] is False
 
 
-def test_silence_is_off_by_default() -> None:
-    """A job that never promised output is never judged by its silence."""
-    v = SilentView(100.0, 1e6, procs((0, "S", 0.0)), 1e6)
-    assert detect_silent("j", v, StallSettings()) is None
+def test_silence_is_on_by_default_at_five_minutes() -> None:
+    """Without the client, silent and idle for 5 minutes is a stall by default (PyTorch's
+    own NCCL timeout is 10); 4 minutes is not, and silence None turns it off."""
+    assert StallSettings().silence == 300.0
+    idle = procs((0, "S", 0.0))
+    assert detect_silent("j", SilentView(1e4, 300.0, idle, 1e4), StallSettings()) is not None
+    assert detect_silent("j", SilentView(1e4, 240.0, idle, 1e4), StallSettings()) is None
+    off = StallSettings(silence=None)
+    assert detect_silent("j", SilentView(1e4, 1e6, idle, 1e6), off) is None
 
 
 @pytest.mark.parametrize("section, value, where", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -53,6 +54,15 @@ def _duration_or_zero(text: str) -> float:
         return fields.duration_or_zero(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected 0 or {fields.DUR}, got {text!r}") from None
+
+
+def _off_duration(text: str) -> float:
+    """A duration, or 0.0 for 0 and off."""
+    try:
+        return fields.duration_or_off(text) or 0.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 0, off or {fields.DUR}, got {text!r}") \
+            from None
 
 
 def _natural(text: str) -> int:
@@ -176,6 +186,8 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
         if not any("{checkpoint}" in a for a in args.resume_arg):
             raise ConfigError("--resume-arg: expected an argument containing {checkpoint}")
         job = replace(job, resume_args=tuple(args.resume_arg))
+    if args.stall_silence is not None:
+        job = replace(job, stall=replace(job.stall, silence=args.stall_silence or None))
     job = replace(job, heartbeat=hb, checkpoints=cp)
     policies = dict(config.policies)
     pol = policies[job.policy]
@@ -250,6 +262,12 @@ def cmd_clear_gpu(args: argparse.Namespace) -> int:
 def cmd_check_config(args: argparse.Namespace) -> int:
     config = load(args.file)
     names = ", ".join(j.name for j in config.jobs)
+    for j in config.jobs:  # a warning, not an error: the job may make it
+        folder = j.checkpoints.dir
+        if folder is not None and not os.path.isdir(folder):
+            print(f"trainwatch: warning: {args.file}: jobs.{j.name}.checkpoints.dir: {folder} "
+                  "is not a folder here (mistyped? every relaunch would start from scratch)",
+                  file=sys.stderr)
     print(f"{args.file}: ok ({len(config.jobs)} job(s): {names})")
     return 0
 
@@ -309,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--startup-timeout", type=_duration,
                    help="no first beat this long after a launch is a hang; needs"
                         " --require-heartbeat (default off)")
+    r.add_argument("--stall-silence", type=_off_duration, metavar="DURATION",
+                   help="without the client: no output and every process idle this long is a"
+                        " stall, its stacks kept before the restart; 0 or off: never"
+                        " (default 5m)")
     r.add_argument("--max-restarts", type=_natural, help="within the window (default 10 in 24h)")
     r.add_argument("--backoff", type=_duration_or_zero, metavar="DURATION",
                    help="the wait before the first relaunch, doubling after; 0: at once"

@@ -11,7 +11,7 @@ import statistics
 from typing import TYPE_CHECKING
 
 from trainwatch import anomalies, logwatch, respond
-from trainwatch.actions import attemptfiles, evidence, pull, verify
+from trainwatch.actions import attemptfiles, evidence, fresh, pull, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
@@ -23,18 +23,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 _VERIFY_POLL = 0.05  # while a relaunch waits for its checkpoint's verification
-
-
-def none_good(r: JobRunner) -> None:
-    """Checkpoints on disk but none good: said loudly, not a silent start from scratch."""
-    entries = r.catalog.known()
-    if not entries:
-        return
-    r.events.fresh_starts.labels(r.job.name).inc()
-    said = "; ".join(f"step {e.step}: {e.why}" for e in entries[-3:][::-1])
-    log.error("job %s: %d checkpoint(s) in %s, none good (%s%s): starting from scratch",
-              r.job.name, len(entries), r.catalog.spec.dir, said,
-              "; ..." if len(entries) > 3 else "")
 
 
 def launch(r: JobRunner, reason: str) -> None:
@@ -56,7 +44,7 @@ def launch(r: JobRunner, reason: str) -> None:
             r.relaunch_at = r.clock() + _VERIFY_POLL
             return
     if cp is None:
-        none_good(r)
+        fresh.said(r)  # never a silent start from scratch
     gpus = r.gpus()
     if gpus is None and any("{num_gpus}" in x for x in r.job.command):
         why = ("the command uses {num_gpus}, but trainwatch sees no GPUs here (NVML is "

@@ -125,6 +125,13 @@ def optional_duration(v: object) -> float | None:
     return None if v is None else duration(v)
 
 
+def duration_or_off(v: object) -> float | None:
+    """A duration > 0, or None for 0, ``off`` or null (YAML reads a bare off as false)."""
+    if v is None or v is False or v == "off" or (not isinstance(v, bool) and v in (0, "0")):
+        return None
+    return duration(v)
+
+
 def text(v: object) -> str:
     if not isinstance(v, str) or not v:
         raise TypeError(v)
@@ -290,6 +297,7 @@ LAYOUT = "one of " + ", ".join(LAYOUTS)
 DUR = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"
 DUR0 = "a duration >= 0 such as 0, 30s or 5m (at most 10 years)"
 OPT_DUR = "a duration > 0 such as 30s, 5m or 24h (at most 10 years), or null"
+OFF_DUR = "a duration > 0 such as 5m (at most 10 years), or 0, off or null for off"
 NAME = "a name of letters, digits, '_', '.', '-' (at most 63)"
 NATURAL = "an integer >= 0"
 POSITIVE = "an integer >= 1"
@@ -304,6 +312,7 @@ CHECKS: dict[str, Any] = {
     DUR: duration,
     DUR0: duration_or_zero,
     OPT_DUR: optional_duration,
+    OFF_DUR: duration_or_off,
     NATURAL: natural,
     POSITIVE: positive_int,
     RANKS: ranks,

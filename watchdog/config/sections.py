@@ -89,7 +89,7 @@ def stall(r: Reader, raw: object, path: str) -> StallSettings:
         factor=r.get(m, "factor", path, fields.FACTOR, d.factor),
         floor=r.get(m, "floor", path, DUR, d.floor),
         ceiling=r.get(m, "ceiling", path, DUR, d.ceiling),
-        silence=r.get(m, "silence", path, OPT_DUR, d.silence),
+        silence=r.get(m, "silence", path, fields.OFF_DUR, d.silence),
         idle_cpu=r.get(m, "idle_cpu", path, fields.POSITIVE_NUMBER, d.idle_cpu),
     )
     if s.floor > s.ceiling:

@@ -37,7 +37,10 @@ class StallSettings:
     factor: float = 3.0  # x the p99 step time
     floor: float = 5.0  # never sooner: a checkpoint save or a GC pause is not a stall
     ceiling: float = 30.0  # never later (PyTorch's NCCL timeout is 600 s)
-    silence: float | None = None  # without the client: silent and idle this long; None: off
+    # Without the client: output silent and every process idle this long. On by
+    # default, well inside PyTorch's own 600 s NCCL timeout, and long enough that
+    # a save, an evaluation or a slow start is not a stall (they are busy or speak).
+    silence: float | None = 300.0  # None: off
     idle_cpu: float = 0.05  # cores: below this a process counts as idle
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from trainwatch import layouts
 from trainwatch.config import Checkpoints
+from trainwatch.state.numbered import Numbered
 from trainwatch.state.ondisk import Generic, Layout, listed, newest_mtime, nonempty
 
 _MAX_VERSIONS = 256
@@ -81,9 +83,13 @@ class GenericLayout(Generic):
 
 
 def fingerprint(path: str) -> tuple[int, int, int] | None:
+    """What is on disk at ``path`` itself (a link is no checkpoint: root reads this
+    beside the job's hand, and must not learn of a file the link points at)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
         return None
     return st.st_size, st.st_mtime_ns, st.st_ino
 
@@ -142,7 +148,9 @@ class Fixed:
 class Auto:
     """The framework recognised in the folder (layouts.detect); generic until then,
     its pattern learned from the job's first report when the default does not
-    name it (``step_6.pt`` reported at step 6: ``step_{step}.pt``)."""
+    name it (``step_6.pt`` reported at step 6: ``step_{step}.pt``); for a job
+    that has never reported, numbered names inferred from the folder alone
+    (state/numbered.py)."""
 
     volatile = False
 
@@ -150,6 +158,7 @@ class Auto:
                  clock: Callable[[], float]) -> None:
         self.spec, self.reports, self.clock = spec, reported, clock
         self.generic = GenericLayout(spec, reported, clock)
+        self.numbered = Numbered(spec, clock)
         self.pattern = spec.pattern
         self.found: Framework | None = None
         for step, path in sorted(reported.items())[-1:]:  # learned before a restart
@@ -173,7 +182,7 @@ class Auto:
     def name(self) -> str:
         return self.found.name if self.found is not None else "generic"
 
-    def _current(self, root: Path | None = None) -> Framework | GenericLayout:
+    def _current(self, root: Path | None = None) -> Framework | GenericLayout | Numbered:
         if self.found is None and root is not None:
             name = layouts.detect(root)
             if name is not None:
@@ -183,7 +192,9 @@ class Auto:
                 # its reports.
                 if fw.candidates(root):
                     self.found = fw
-        return self.found if self.found is not None else self.generic
+        if self.found is not None:
+            return self.found
+        return self.generic if self.reports else self.numbered  # the job's word, else the folder's
 
     def candidates(self, root: Path) -> dict[int, str]:
         return self._current(root).candidates(root)
@@ -216,3 +227,10 @@ def make_layout(spec: Checkpoints, reported: dict[int, str],
     if spec.layout in layouts.NAMES:
         return Framework(layouts.get(spec.layout, spec.pattern))
     return GenericLayout(spec, reported, clock)
+
+
+def recognise(layout: Layout, name: str) -> None:
+    """What auto recognised in the folder, as the job's hand listed it (privsep):
+    root's own copy of the layout takes it, so its reports are judged alike."""
+    if isinstance(layout, Auto) and layout.found is None and name in layouts.NAMES:
+        layout.found = Framework(layouts.get(name, layout.pattern))
