@@ -31,10 +31,14 @@ GROWTH_MAX = 128 << 20
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
             signal.SIGUSR2, signal.SIGALRM, signal.SIGCHLD, signal.SIGPIPE)
 
-# Imported lazily by the standard library where the hands' calls go (shutil.rmtree,
-# zip directories, JSON, errors): loaded before the drop.
+# Imported lazily where the hands' calls go (the standard library's, xxhash for
+# manifests, the modules of ours the calls live in): loaded before the drop.
 _ALWAYS = ("importlib.readers", "importlib.resources", "encodings.idna", "zipfile",
-           "pickletools", "json", "shutil", "tempfile", "traceback", "linecache")
+           "pickletools", "json", "shutil", "tempfile", "traceback", "linecache", "xxhash",
+           "trainwatch.layouts", "trainwatch.state.checkpointlayout", "trainwatch.state.manifest",
+           "trainwatch.state.retention", "trainwatch.state.catalog",
+           "trainwatch.snapshot.blobs", "trainwatch.snapshot.format",
+           "trainwatch.evidence.flightrecorder")
 
 # What a call may keep for the next ones (a job's listing, digests of linked
 # files): lost with the hand, which each user of it must allow for.
