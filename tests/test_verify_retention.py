@@ -83,3 +83,25 @@ def test_the_plan_shows_what_would_go_and_deletes_nothing(ws: Workspace, tmp_pat
         r.stdout
     assert sorted(p.name for p in ws.ckpt.iterdir()) == ["step_10", "step_20", "step_30"]
     assert _deletions(ws) == []
+
+
+def test_a_checkpoint_retention_may_not_delete_is_said_once_not_at_every_refresh(
+        ws: Workspace, tmp_path: Path) -> None:
+    """Three checkpoints that are links (refused: never followed) while the job writes
+    and reports a checkpoint every few hundred ms: each refusal is one log line, not one
+    per retention pass (before, every report said all three again)."""
+    for step in (1, 2, 3):
+        target = tmp_path / f"t{step}"
+        target.write_text(str(step))  # what the worker writes: it resumes from step_3
+        (ws.ckpt / f"step_{step}").symlink_to(target)
+    cfg = ws.config({"command": ws.worker("--steps", "150", "--interval", "0.03"),
+                     "checkpoints": {"dir": str(ws.ckpt), "layout": "generic",
+                                     "quiet_for": "0.1s", "verify": False,
+                                     "keep": {"last": 1}}})
+    rc, out = finish(ws.run(cfg), timeout=90)
+    assert rc == 0, out
+    said = [ln for ln in out.splitlines() if "could not delete checkpoint step" in ln]
+    # step_3 is what the job resumed from: kept while that attempt lives, never tried.
+    assert sorted(ln.split("checkpoint step ")[1].split(":")[0] for ln in said) == \
+        ["1", "2"], said
+    assert all((ws.ckpt / f"step_{s}").is_symlink() for s in (1, 2, 3))
