@@ -628,6 +628,29 @@ def test_sigterm_leaves_jobs_running(host: Host) -> None:
         assert "signal" not in Path(s["log"]).read_text()
 
 
+def test_an_upgrade_sigterm_then_start_adopts_every_job_untouched(host: Host) -> None:
+    """The README's upgrade (systemctl stop: SIGTERM; replace; start): the next daemon
+    adopts each job (same pid and attempt, steps go on, no signal, no incident, no restart)."""
+    host.config([host.job_doc("a"), host.job_doc("b")])
+    d1 = host.daemon()
+    before = {j: started(host, d1, j) for j in ("a", "b")}
+    d1.signal(signal.SIGTERM)
+    assert d1.proc.wait(timeout=30) == 0, d1.output()[-2000:]
+    for s in before.values():
+        log_grows(Path(s["log"]))  # nobody watches: the job goes on
+
+    d2 = host.daemon()
+    for j, s in before.items():
+        after = started(host, d2, j, min_step=host.step(j) + 5)
+        assert (after["pid"], after["attempt"]) == (s["pid"], s["attempt"]), (s, after)
+        assert "signal" not in Path(s["log"]).read_text()
+    assert host.incidents() == []
+    adopted = {t["job"] for t in host.transitions() if "adopt" in t["reason"].lower()}
+    assert adopted == {"a", "b"}, host.transitions()
+    assert all(host.runtime(j).get("restart_count") == 0 for j in before)
+    assert d2.alive(), d2.output()[-2000:]
+
+
 def test_a_daemon_whose_jobs_just_run_writes_no_log_lines(host: Host) -> None:
     """Steady state is silent: no log line while a job beats and nothing happens (journald)."""
     host.config([host.job_doc("a", "--ckpt-every", "100000")])
