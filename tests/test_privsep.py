@@ -322,3 +322,32 @@ def test_sparse_dumps_are_copied_as_their_data_and_bounded_per_incident(open_tmp
     assert all(p.stat().st_size == 255 << 20 for p in dest.iterdir())
     first = (dest / copied[0]).read_bytes()
     assert first == (fr / copied[0]).read_bytes()
+
+
+def _leave() -> None:
+    os._exit(0)
+
+
+def test_a_catalog_whose_hand_died_starts_a_new_one_from_a_full_listing(open_tmp: Path) -> None:
+    """The hand exits between two refreshes (as one that grew past its bound does): the
+    next refresh forks a new one, which lists the folder anew; nothing is lost or said."""
+    ident = _user()
+    ckpt = open_tmp / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step_5").write_bytes(b"w")
+    _give(ckpt, ident)
+    hand = Hand("t", ident)
+    try:
+        cat = Catalog(Checkpoints(dir=str(ckpt)), open_tmp / "c.json", hand=hand)
+        cat.report(5, str(ckpt / "step_5"))
+        assert [e.step for e in cat.entries()] == [5]
+        with contextlib.suppress(HandDown):
+            hand.call(_leave, timeout=10)
+        (ckpt / "step_9").write_bytes(b"w")
+        os.chown(ckpt / "step_9", ident.uid, ident.gid)
+        cat.report(9, str(ckpt / "step_9"))
+        assert [e.step for e in cat.entries()] == [5, 9]
+        assert cat.disk.unanswered == 0  # type: ignore[union-attr]
+        assert hand.counts["spawns"] == 2
+    finally:
+        hand.close()

@@ -58,8 +58,8 @@ def refresh_in_hand(key: str, layout: bytes | None, root: str | None,
     disk = child.kept.get(key)
     fresh = not isinstance(disk, OnDisk)
     if not isinstance(disk, OnDisk):
-        if layout is None:
-            raise ValueError("no layout for a new listing")
+        if layout is None:  # a new hand (the last one died, or grew and left)
+            return {"need_layout": True}
         disk = child.kept[key] = OnDisk(_layout(layout), root)
     elif layout is not None:
         disk.layout = _layout(layout)
@@ -144,14 +144,16 @@ class HandDisk:
         layout = pickle.dumps(self.layout, pickle.HIGHEST_PROTOCOL)
         ship = layout if layout != self._shipped else None
         t0 = time.monotonic()
+        root = str(self.root) if self.root else None
         try:
-            reply = self.hand.call(refresh_in_hand, self.key, ship, str(self.root)
-                                   if self.root else None, self._changes, force,
+            reply = self.hand.call(refresh_in_hand, self.key, ship, root, self._changes, force,
                                    timeout=self.timeout)
-            if reply.get("fresh") and ship is None:  # a new hand: it needs the layout
-                reply = self.hand.call(refresh_in_hand, self.key, layout, str(self.root)
-                                       if self.root else None, self._changes, True,
-                                       timeout=max(0.1, self.timeout - (time.monotonic() - t0)))
+            if isinstance(reply, dict) and reply.get("need_layout"):
+                reply = self.hand.call(refresh_in_hand, self.key, layout, root, self._changes,
+                                       True, timeout=max(0.1, self.timeout
+                                                         - (time.monotonic() - t0)))
+            if not isinstance(reply, dict):
+                raise HandError("a reply that is not a mapping")
         except HandError as e:
             self.unanswered += 1
             if self.why_unanswered is None:
