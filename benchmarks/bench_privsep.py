@@ -30,7 +30,8 @@ end; disk use 1 GiB for (b)):
     pages) and PSS (median of 5 samples, 1 s apart) and ``trainwatch status``
     timed 5 times. (The hands are forks of the daemon: the pages they share with
     it are split among them in PSS, so the daemon's PSS is no longer its size;
-    RSS and USS are, and the goal is judged on them.)
+    its USS drifts up as shared pages are written (copy on write); the goal is
+    judged on RSS.)
     Then, as the user, ``--plant`` (600,000) empty files ``step_<10,000,000+i>``
     in job j0's checkpoint folder and as many ``rank-<i>-999999`` (ring names,
     sources/ring.py ``file_name``) in its attempt's ring folder (the job's
@@ -39,6 +40,12 @@ end; disk use 1 GiB for (b)):
     not answer), and the ring warning; ``status`` is timed every 5 s meanwhile.
     Then the files are deleted, and after ``--after`` (75 s: the catalog lists
     again within RELIST_MAX, 60 s) the memory is sampled again (median of 10).
+    The daemon's catalog is asked (``trainwatch checkpoints j0 --json``) until
+    it no longer shows a planted step, and the hand's listing of the planted
+    folder is timed here too (a new hand as the user, ``HandDisk.refresh``).
+    ``--what steps|rings`` plants one kind only; ``--what none`` is a control:
+    the same timeline (``--control-wait`` s in place of planting and waiting),
+    nothing planted, to tell the drift from the growth.
     Goal: the daemon back within 5 MB of its baseline. Every hand (a child of
     the daemon with the daemon's command line, the job's uid) is reported apart:
     count, RSS and PSS, and new hands forked meanwhile. VmHWM gives the peak.
@@ -62,6 +69,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import pwd
 import shutil
@@ -73,6 +81,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -303,7 +312,10 @@ def mem(pid: int) -> dict[str, float]:
     """PSS and USS (private pages, smaps_rollup), RSS and VmHWM (the peak RSS), MB.
     The hands are forks of the daemon: the pages they still share with it are
     split between them in PSS, so the daemon's PSS falls as hands are forked; USS
-    and RSS do not move with them."""
+    and RSS do not move with them. USS grows, though, as the daemon writes to
+    pages it still shared with its hands (reference counts, the GC: copy on
+    write); a control run with nothing planted showed +11 MB USS and +1.5 MB RSS
+    over (c)'s timeline, so the goal is judged on RSS."""
     out = {"pss": 0.0, "uss": 0.0, "rss": 0.0, "hwm": 0.0}
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
@@ -470,10 +482,57 @@ def job_env(pid: int, key: str) -> str | None:
     return None
 
 
-def part_c(h: UserHost, ident: Identity | None, count: int, after: float) -> dict[str, Any]:
+def planted_listed(h: UserHost) -> int | None:
+    """Planted steps among the (newest 200) checkpoints ``trainwatch checkpoints j0``
+    shows; None when it gave no answer."""
+    try:
+        p = subprocess.run([TRAINWATCH, "checkpoints", "j0", "--json", "--config",
+                            str(h.config)], capture_output=True, timeout=60, check=False)
+        cps = json.loads(p.stdout)["checkpoints"]
+    except (subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
+        return None
+    return sum(1 for c in cps if int(c["step"]) >= PLANT_BASE)
+
+
+def log_times(text: str, marks: dict[str, str], since: float) -> dict[str, float]:
+    """Seconds from ``since`` (time.time()) to the first log line with each mark."""
+    seen: dict[str, float] = {}
+    for line in text.splitlines():
+        for what, mark in marks.items():
+            if what not in seen and mark in line:
+                with contextlib.suppress(ValueError):
+                    seen[what] = datetime.fromisoformat(line.split(" ", 1)[0]).timestamp() - since
+    return seen
+
+
+def time_listing(ident: Identity | None, folder: str, runs: int = 3) -> list[float]:
+    """The daemon's call, made here: a new hand lists and judges the folder."""
+    spec = Checkpoints(dir=folder, layout="generic")
+    out = []
+    logging.getLogger("trainwatch").setLevel(logging.CRITICAL)  # its "cut" line: the daemon's
+    for i in range(runs):
+        hand = Hand(f"bench listing {i}", ident)
+        try:
+            hand.call(os.getuid, timeout=10)
+            disk = HandDisk(make_layout(spec, {}, {}), folder, hand, f"bench c {i}", timeout=120)
+            t0 = time.perf_counter()
+            disk.refresh(True)
+            out.append(time.perf_counter() - t0)
+            if disk.unanswered:
+                raise RuntimeError(f"the listing of {folder}: {disk.why_unanswered}")
+        finally:
+            hand.close()
+    return out
+
+
+def part_c(h: UserHost, ident: Identity | None, count: int, what: str, after: float,
+           control_wait: float) -> dict[str, Any]:
+    """``what``: steps, rings, both, or none (a control: the same timeline, nothing planted)."""
     assert h.daemon is not None
     pid = h.daemon.pid
-    out: dict[str, Any] = {"planted": count}
+    if what == "none":
+        count = 0
+    out: dict[str, Any] = {"planted": count, "what": what}
     out["status_before_s"] = summarize([time_status(h)[0] for _ in range(5)])
     out["baseline"] = settle_mem(pid, 5)
     st = h.status("j0")
@@ -482,45 +541,49 @@ def part_c(h: UserHost, ident: Identity | None, count: int, after: float) -> dic
     if rings is None:
         raise RuntimeError(f"job j0 (pid {st['pid']}) has no {ring.ENV}")
     out["ring_dir"] = rings
-    steps = [f"step_{PLANT_BASE + i}" for i in range(count)]
-    ring_names = [ring.file_name(i, RING_PID) for i in range(count)]
-    assert all(ring.parse_name(n) is not None for n in ring_names[:10])
+    plan: list[tuple[str, list[str]]] = []
+    if what in ("steps", "both"):
+        plan.append((ckpt, [f"step_{PLANT_BASE + i}" for i in range(count)]))
+    if what in ("rings", "both"):
+        names = [ring.file_name(i, RING_PID) for i in range(count)]
+        assert all(ring.parse_name(n) is not None for n in names[:10])
+        plan.append((rings, names))
     log0 = len(h.log())
-    t0 = time.monotonic()
-    if ident is not None:
-        as_user(ident, plant, ckpt, steps)
-        as_user(ident, plant, rings, ring_names)
-    else:
-        plant(ckpt, steps)
-        plant(rings, ring_names)
-    out["plant_s"] = time.monotonic() - t0
+    wall0, t0 = time.time(), time.monotonic()
     sampler = Sampler(pid)
     sampler.start()
-    t_planted = time.monotonic()
+    for folder, names in plan:
+        if ident is not None:
+            as_user(ident, plant, folder, names)
+        else:
+            plant(folder, names)
+    out["plant_s"] = time.monotonic() - t0
     statuses: list[tuple[float, int]] = []
-    seen: dict[str, float] = {}
     marks = {"catalog listing cut": "checkpoints are kept track of",
              "catalog hand gave no answer": "not judged:",
              "rings refused": "not reading the ring"}
-    deadline = t_planted + 180
-    next_status = t_planted
+    want = {"catalog listing cut"} if what in ("steps", "both") else set()
+    if what in ("rings", "both"):
+        want.add("rings refused")
+    deadline = t0 + (control_wait if what == "none" else 240)
+    next_status = time.monotonic()
+    seen: dict[str, float] = {}
     while time.monotonic() < deadline:
         h.alive_or_fail("the daemon to look at the planted files")
-        text = h.log()[log0:]
-        for what, mark in marks.items():
-            if what not in seen and mark in text:
-                seen[what] = time.monotonic() - t_planted
+        seen = log_times(h.log()[log0:], marks, wall0)
         if time.monotonic() >= next_status:
             statuses.append(time_status(h))
             next_status = time.monotonic() + 5
-        looked = ("catalog listing cut" in seen or "catalog hand gave no answer" in seen)
-        if (looked and "rings refused" in seen and len(statuses) >= 5
-                and time.monotonic() - t_planted > max(seen.values()) + 15):
+        looked = (want <= set(seen) or ("catalog hand gave no answer" in seen
+                                        and want - set(seen) <= {"catalog listing cut"}))
+        if what != "none" and looked and len(statuses) >= 5 and (
+                time.monotonic() - t0 > max(seen.values()) + 15):
             break
         time.sleep(0.25)
-    out["seen_s"] = seen
+    out["seen_s"] = seen  # from the start of planting
     out["status_during_s"] = summarize([s for s, _ in statuses])
     out["status_during_rc"] = sorted({rc for _, rc in statuses})
+    out["planted_listed"] = planted_listed(h)
     out["during_peak"] = {
         "pss": max((m["pss"] for _, m, _ in sampler.samples), default=0.0),
         "uss": max((m["uss"] for _, m, _ in sampler.samples), default=0.0),
@@ -528,17 +591,26 @@ def part_c(h: UserHost, ident: Identity | None, count: int, after: float) -> dic
         "hands_rss": max((hm["rss"] for _, _, hm in sampler.samples), default=0.0),
         "hand_max_rss": max((hm["max_rss"] for _, _, hm in sampler.samples), default=0.0),
         "hwm": mem(pid)["hwm"]}
+    if what in ("steps", "both"):
+        out["listing_here_s"] = summarize(time_listing(ident, ckpt))
     t0 = time.monotonic()
-    for folder, names in ((ckpt, steps), (rings, ring_names)):
+    for folder, names in plan:
         for n in names:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(folder, n))
     out["delete_s"] = time.monotonic() - t0
+    # At least ``after``; and until the catalog has forgotten the planted steps.
     time.sleep(after)
+    deadline = time.monotonic() + 120
+    left = planted_listed(h)
+    while left and time.monotonic() < deadline:
+        time.sleep(5)
+        left = planted_listed(h)
+    out["planted_listed_after"] = left
+    out["after_s"] = time.monotonic() - t0
     sampler.stop_.set()
     sampler.join()
     out["after"] = settle_mem(pid, 10)
-    out["after_s"] = after
     out["hands_forked"] = len((sampler.hand_pids | set(out["after"]["hands"]["pids"]))
                               - set(out["baseline"]["hands"]["pids"]))
     text = h.log()[log0:]
@@ -567,7 +639,8 @@ def daemon_parts(args: argparse.Namespace, ident: Identity | None, d: Path,
             result["d"] = part_d(h, args.seconds)
             print_d(result["d"])
         if "c" in args.parts:
-            result["c"] = part_c(h, ident, args.plant, args.after)
+            result["c"] = part_c(h, ident, args.plant, args.what, args.after,
+                                 args.control_wait)
             print_c(result["c"])
         h.terminate()
     finally:
@@ -628,17 +701,25 @@ def print_d(r: dict[str, Any]) -> None:
 
 def print_c(c: dict[str, Any]) -> None:
     b, a, p = c["baseline"], c["after"], c["during_peak"]
-    print(f"\n(c) the daemon's memory, {c['planted']:,} step_N + {c['planted']:,} ring names"
-          f" planted in {c['plant_s']:.1f} s (j0), deleted in {c['delete_s']:.1f} s")
+    kinds = {"both": f"{c['planted']:,} step_N + {c['planted']:,} ring names",
+             "steps": f"{c['planted']:,} step_N names", "rings": f"{c['planted']:,} ring names",
+             "none": "nothing (a control)"}[c["what"]]
+    print(f"\n(c) the daemon's memory, {kinds} planted in {c['plant_s']:.1f} s (j0),"
+          f" deleted in {c['delete_s']:.1f} s")
     print(f"  daemon baseline:   RSS {b['rss']:.1f} MB, USS {b['uss']:.1f}, PSS {b['pss']:.1f}"
           f" (VmHWM {b['hwm']:.1f}); hands {b['hands']['n']}: RSS {b['hands']['rss']:.1f},"
           f" USS {b['hands']['uss']:.1f}, PSS {b['hands']['pss']:.1f} MB")
     print(f"  while planted:     peak RSS {p['rss']:.1f} MB, USS {p['uss']:.1f}, PSS"
           f" {p['pss']:.1f} (VmHWM {p['hwm']:.1f}); hands RSS peak {p['hands_rss']:.1f} MB"
           f" (largest hand {p['hand_max_rss']:.1f})")
-    print("  seen after:        " + (", ".join(f"{k} {v:.1f} s" for k, v in c["seen_s"].items())
-                                     or "nothing in the log"))
-    ok = "ok" if a["rss"] - b["rss"] <= 5 and a["uss"] - b["uss"] <= 5 else "MISSED"
+    print("  in the log after:  " + (", ".join(f"{k} {v:.1f} s" for k, v in c["seen_s"].items())
+                                     or "nothing") + " (from the start of planting)")
+    print(f"  planted steps among `checkpoints j0` (newest 200): {c['planted_listed']} while"
+          f" planted, {c['planted_listed_after']} after")
+    if "listing_here_s" in c:
+        print(f"  the hand's listing + judging of the folder, timed here: "
+              f"{fmt_summary(c['listing_here_s'], 's')}")
+    ok = "ok" if a["rss"] - b["rss"] <= 5 else "MISSED"  # RSS: USS drifts (see mem())
     print(f"  {c['after_s']:.0f} s after delete: RSS {a['rss']:.1f} MB"
           f" ({a['rss'] - b['rss']:+.1f}), USS {a['uss']:.1f} ({a['uss'] - b['uss']:+.1f}),"
           f" PSS {a['pss']:.1f} ({a['pss'] - b['pss']:+.1f})  goal within 5 MB  {ok}")
@@ -659,6 +740,10 @@ def main() -> int:
     p.add_argument("--n", type=int, default=5, help="rounds of (b)")
     p.add_argument("--calls", type=int, default=2000, help="calls timed in (a)")
     p.add_argument("--plant", type=int, default=600_000, help="files of each kind in (c)")
+    p.add_argument("--what", choices=("both", "steps", "rings", "none"), default="both",
+                   help="(c): what to plant; none: a control, the same timeline")
+    p.add_argument("--control-wait", type=float, default=100.0,
+                   help="(c) with --what none: s in place of planting and waiting")
     p.add_argument("--after", type=float, default=75.0, help="s after deleting them (c)")
     p.add_argument("--seconds", type=float, default=30.0, help="CPU measurement (d)")
     p.add_argument("--settle", type=float, default=5.0)
