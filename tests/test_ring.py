@@ -318,3 +318,14 @@ def test_writer_file_is_private_and_complete_when_it_appears(tmp_path: Path) -> 
     assert scan(str(tmp_path)) == [(7, os.getpid(), w.path)]
     assert os.listdir(tmp_path) == [f"rank-7-{os.getpid()}"]
     assert RingReader(w.path).read() == []
+
+
+def test_a_ring_folder_of_planted_names_is_scanned_bounded(tmp_path: Path) -> None:
+    """20,000 empty files named like rings (the job's user may plant 600,000): a scan
+    reads at most MAX_SCAN names, keeps no more, and says it stopped."""
+    for i in range(20_000):
+        (tmp_path / ring.file_name(i, 4242)).touch()
+    cut = ring.scans_cut
+    found = scan(str(tmp_path))
+    assert 0 < len(found) <= ring.MAX_SCAN
+    assert ring.scans_cut == cut + 1
