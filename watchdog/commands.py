@@ -8,7 +8,8 @@ on stderr and exit 1: no daemon, permission denied, or the daemon's own refusal
 (``trainwatch OP: why``, e.g. a job that runs as another user: access.py); a
 bad ``--config`` stays a usage error (exit 2, via ``ConfigError`` in
 ``cli.main``). ``incidents`` also works without a daemon: it
-reads the ledger read-only, as it always has.
+reads the ledger read-only, as it always has; so does ``checkpoints JOB
+--state-dir S``, from the job's state there (checkpointlist.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from trainwatch import checkpointlist
 from trainwatch.config import ConfigError, default_dirs, load
 from trainwatch.control import ControlError, control_path, request
 from trainwatch.evidence import show
@@ -219,6 +221,8 @@ def cmd_incidents(args: argparse.Namespace) -> int:
 
 @_command
 def cmd_checkpoints(args: argparse.Namespace) -> int:
+    if args.state_dir and not args.run_dir:
+        return _checkpoints_from_disk(args)
     reply = ask(run_dir_of(args), "checkpoints", {"job": args.job, "plan": args.plan})
     if args.json:
         _print_json(reply)
@@ -226,6 +230,25 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         print(_render("checkpoints", lambda: render_plan(reply)))
     else:
         print(_render("checkpoints", lambda: render_checkpoints(reply)))
+    return 0
+
+
+def _checkpoints_from_disk(args: argparse.Namespace) -> int:
+    """Post-mortem: the listing from the job's state in --state-dir, no daemon asked
+    (the settings from --config's job when given, else from that state)."""
+    if args.plan:
+        raise ConfigError("--plan: expected a live daemon (--config or --run-dir), not"
+                          " --state-dir: retention's plan is the daemon's")
+    configured = load(args.config).job(args.job) if args.config else None
+    reply, source = checkpointlist.from_state_dir(str(args.state_dir), args.job, configured)
+    where = f"{source.state_dir}/jobs/{args.job}"
+    if args.json:
+        _print_json({**reply, "source": {"from": "disk", "state_dir": source.state_dir,
+                                         "settings": source.settings}})
+    else:
+        print(f"read from disk ({where}), not from a live daemon; settings from"
+              f" {source.settings}")
+        print(render_checkpoints(reply))
     return 0
 
 
@@ -315,6 +338,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
     c = command("checkpoints", "a job's checkpoints and their verdicts", cmd_checkpoints)
     c.add_argument("job")
+    c.add_argument("--state-dir",
+                   help="read them from this state_dir, without a daemon (post-mortem; the"
+                        " job's settings from --config when given, else from its state)")
     c.add_argument("--plan", action="store_true",
                    help="what retention (checkpoints.keep) would delete now, and why the "
                         "rest stays; deletes nothing")

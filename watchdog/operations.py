@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainwatch import __version__, access, drillrequests
+from trainwatch import __version__, access, checkpointlist, drillrequests
 from trainwatch.access import Peer
 from trainwatch.actions import prune, rollback
 from trainwatch.actions.launch import launch
@@ -172,20 +172,4 @@ def retention_plan(r: JobRunner) -> dict[str, Any]:
 
 
 def checkpoints(r: JobRunner) -> dict[str, Any]:
-    entries = r.catalog.entries()
-    good = [e for e in entries if e.good]
-    out = []
-    for e in entries[-200:]:
-        verdict = ("quarantined" if e.bad and e.why.startswith("bad: quarantined")
-                   else "bad" if e.bad else "good" if e.good else "incomplete")
-        try:
-            st = os.stat(e.path)
-            size: int | None = retention.size_of(e.path)
-            mtime: float | None = st.st_mtime
-        except OSError:
-            size = mtime = None
-        out.append({"step": e.step, "path": e.path, "verdict": verdict,
-                    "why": e.why, "last_good": bool(good) and e is good[-1],
-                    "health": r.catalog.health.get(e.step), "size": size, "time": mtime,
-                    "attempts": r.catalog.used.get(e.step, [])})
-    return {"job": r.job.name, "checkpoints": out}
+    return checkpointlist.listing(r.job.name, r.catalog)

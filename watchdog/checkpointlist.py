@@ -1,0 +1,129 @@
+"""A job's checkpoints as ``trainwatch checkpoints JOB`` lists them: each with its
+verdict and why, the loss at its step, size, time and the attempts that resumed
+from it, and which one is the last good.
+
+From a live daemon's catalog (``listing``, operations.py), or post-mortem from
+what a stopped daemon or ``trainwatch run`` left in ``state_dir/jobs/<job>/``
+(``from_state_dir``): its catalog state (``catalog.json``: the job's reports,
+bad marks, quarantine, health, attempts) over a fresh listing of its checkpoint
+folder, and each good checkpoint's sizes checked against its manifest
+(``manifests/``; the hashes are the daemon's to check, before a relaunch).
+
+Post-mortem, the folder is listed in this process, with the rights of whoever
+runs the command (the daemon lists it in the job's hand, as the job's user:
+that is root's caution, not the operator's). Nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainwatch.config import Checkpoints, ConfigError, Job
+from trainwatch.state import atomic, manifest, retention
+from trainwatch.state.catalog import Catalog, Entry
+
+LIMIT = 200  # the newest this many: a daemon's reply must fit one datagram
+
+
+def _verdict(e: Entry) -> str:
+    if e.bad:
+        return "quarantined" if e.why.startswith("bad: quarantined") else "bad"
+    return "good" if e.good else "incomplete"
+
+
+def listing(job: str, catalog: Catalog, entries: list[Entry] | None = None) -> dict[str, Any]:
+    """The reply of ``checkpoints``: the catalog's entries (listed now unless given)."""
+    entries = catalog.entries() if entries is None else entries
+    good = [e for e in entries if e.good]
+    out = []
+    for e in entries[-LIMIT:]:
+        try:
+            mtime: float | None = os.stat(e.path).st_mtime
+            size: int | None = retention.size_of(e.path)
+        except OSError:
+            size = mtime = None
+        out.append({"step": e.step, "path": e.path, "verdict": _verdict(e),
+                    "why": e.why, "last_good": bool(good) and e is good[-1],
+                    "health": catalog.health.get(e.step), "size": size, "time": mtime,
+                    "attempts": catalog.used.get(e.step, [])})
+    return {"job": job, "checkpoints": out}
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a post-mortem listing's settings came from, for the line that says so."""
+
+    state_dir: str
+    settings: str  # "the config FILE" or "catalog.json (layout auto, ...)"
+
+
+def _from_catalog_state(path: Path, owner: object) -> Checkpoints:
+    """The job's folder and pattern as its catalog state names them
+    (``owner``: "<dir>|<pattern>", job.py); auto layout, or fixed for a pattern
+    without {step} (the one layout auto cannot take for a pattern)."""
+    if owner is None:
+        raise ConfigError(f"{path}: absent or unreadable: the job's checkpoint folder is"
+                          " unknown (pass --config with the job)")
+    folder, _, pattern = owner.rpartition("|") if isinstance(owner, str) else ("", "", "")
+    if not folder or not pattern:
+        raise ConfigError(f"{path}: owner: expected \"<dir>|<pattern>\", got {owner!r}"
+                          " (pass --config with the job)")
+    if not os.path.isabs(folder):  # the job had no folder: job.py names its command
+        return Checkpoints(dir=None, pattern=pattern)
+    layout = "auto" if "{step}" in pattern else "fixed"
+    return Checkpoints(dir=folder, layout=layout, pattern=pattern)
+
+
+def from_state_dir(state_dir: str, job: str, configured: Job | None) -> tuple[
+        dict[str, Any], Source]:
+    """The listing of ``job``'s checkpoints from ``state_dir`` with no daemon;
+    raises ConfigError (one line, exit 2) for a state dir or job that is not there.
+    ``configured``: the job of a config (its checkpoint settings), else the
+    folder and pattern its catalog state names."""
+    if not os.path.isdir(state_dir):
+        raise ConfigError(f"--state-dir: {state_dir}: no such directory")
+    job_dir = Path(state_dir) / "jobs" / job
+    if not job_dir.is_dir():
+        jobs = Path(state_dir) / "jobs"
+        known = sorted(p.name for p in jobs.iterdir() if p.is_dir()) if jobs.is_dir() else []
+        raise ConfigError(f"no job {job!r} in {state_dir} (expected {job_dir}/; jobs there:"
+                          f" {', '.join(known) or 'none'})")
+    path = job_dir / "catalog.json"
+    state = atomic.read_json(path)
+    saved_for = state.get("owner") if isinstance(state, dict) else None
+    if configured is not None:
+        spec = configured.checkpoints
+        owner = f"{spec.dir or ' '.join(configured.command)}|{spec.pattern}"
+        settings = "the config"
+        if saved_for is not None and saved_for != owner:
+            # Set aside, as a daemon would (saved for another folder or pattern): said
+            # in the listing's line rather than the catalog's log line.
+            settings += f"; its catalog state, saved for {saved_for!r}, is not used"
+            path = Path(os.devnull)
+    else:
+        spec = _from_catalog_state(path, saved_for)
+        owner = str(saved_for)
+        settings = (f"catalog.json (layout {spec.layout}, pattern {spec.pattern}; --config"
+                    " for the job's own)")
+    if spec.dir is None:
+        return {"job": job, "checkpoints": []}, Source(state_dir, settings)
+    catalog = Catalog(spec, path, owner=owner)
+    store = manifest.Store(job_dir / "manifests")
+    entries = [_checked(e, store) for e in catalog.entries()]
+    return listing(job, catalog, entries), Source(state_dir, settings)
+
+
+def _checked(e: Entry, store: manifest.Store) -> Entry:
+    """A good entry whose files no longer have its manifest's sizes is bad."""
+    if not e.good:
+        return e
+    m = store.get(e.step)
+    if m is None or m.path != e.path:
+        return e
+    why = manifest.check_sizes(m)
+    if why is None:
+        return e
+    return Entry(e.step, e.path, e.complete, True, f"bad: differs from its manifest: {why}")
