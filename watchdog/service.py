@@ -53,7 +53,8 @@ def _say_missing() -> None:
     if not _said_missing and under_systemd():
         _said_missing = True
         log.info("journald fields are off and sd_notify uses trainwatch's own minimal sender:"
-                 " systemd-python is not installed (pip install 'trainwatchd[systemd]')")
+                 " systemd-python is not installed (make install again on a host with"
+                 " libsystemd-dev, or pip install '/path/to/trainwatch[systemd]')")
 
 
 def watchdog_interval(env: Mapping[str, str], pid: int) -> float | None:
@@ -90,7 +91,8 @@ def _datagram(address: str) -> Callable[[str], object]:
     else:
         raise ConfigError(f"NOTIFY_SOCKET: expected an AF_UNIX path or @name (what"
                           f" trainwatch's own sd_notify sender speaks), got {address!r}; install"
-                          " systemd-python (pip install 'trainwatchd[systemd]') for the others")
+                          " systemd-python (pip install '/path/to/trainwatch[systemd]') for the"
+                          " others")
 
     def send(message: str) -> None:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:

@@ -147,7 +147,8 @@ class Capture:
         binary = self.pyspy_path or pyspy.find()
         s["py_spy"] = binary
         if binary is None:
-            s["errors"].append("py-spy is not installed (the trainwatchd[pyspy] extra): no stacks")
+            s["errors"].append("py-spy is not installed (the pyspy extra: pip install"
+                               " '/path/to/trainwatch[pyspy]'): no stacks")
             return None
         folder = self.out / "stacks"
         makedirs(folder)

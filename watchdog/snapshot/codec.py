@@ -15,7 +15,8 @@ from typing import Any
 __all__ = ["EXTRA", "compress", "decompress_into", "require"]
 
 LEVEL = 3
-EXTRA = "pip install 'trainwatchd[snapshot]'"
+# The distribution is not on PyPI: the extra is installed from a checkout.
+EXTRA = "pip install '/path/to/trainwatch[snapshot]' (the snapshot extra, from a checkout)"
 _local = threading.local()  # zstandard contexts are not thread-safe: one per thread
 
 

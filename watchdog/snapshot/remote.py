@@ -39,7 +39,7 @@ log = logging.getLogger("trainwatch.snapshot")
 PIECE = 8 * 1024 * 1024  # bytes per write call of an upload: the crash tables' "mid transfer"
 _BLOB_RE = re.compile(r"^[0-9a-f]{32}(\.zst)?$")
 _REMOTE_MANIFEST_RE = re.compile(r"^snapshot-(\d{1,18})\.json$")
-_EXTRA = "pip install 'trainwatchd[snapshot]'"
+_EXTRA = "pip install '/path/to/trainwatch[snapshot]' (the snapshot extra, from a checkout)"
 T = TypeVar("T")
 
 
