@@ -248,6 +248,8 @@ def test_run_with_flags_alone(ws: Workspace) -> None:
             "30s",
             "--max-restarts",
             "2",
+            "--metrics-port",  # the default port may be held by another run on this host
+            "0",
             "--",
             *ws.worker("--steps", "20", "--crash-at", "15"),
         ],
