@@ -164,14 +164,16 @@ HOSTILE: list[object] = [
     ),
     pytest.param(
         _job(retries="3"),
-        "jobs.j.retries: expected one of anomalies, checkpoints, command, env, evidence, gpus,"
+        "jobs.j.retries: expected one of anomalies, checkpoints, command, env, env_passthrough,"
+        " evidence, gpus,"
         " group, heartbeat, logs, name, policy, resume_args, stall, user, workdir, got an"
         " unknown key",
         id="unknown-job-key-named-by-job",
     ),
     pytest.param(
         "jobs: [{name: 'my job', command: [x], retries: 3}]\n",
-        "jobs[0].retries: expected one of anomalies, checkpoints, command, env, evidence, gpus,"
+        "jobs[0].retries: expected one of anomalies, checkpoints, command, env, env_passthrough,"
+        " evidence, gpus,"
         " group, heartbeat, logs, name, policy, resume_args, stall, user, workdir, got an"
         " unknown key",
         id="unknown-job-key-by-index-without-a-usable-name",

@@ -127,9 +127,9 @@ def _mounted(*cmds: list[str], target: Path) -> Iterator[None]:
 def test_a_thousand_idle_metrics_connections_neither_exhaust_descriptors_nor_stop_scrapes(
         ws: Workspace) -> None:
     """1,000 idle connections from a real client to a trainwatch limited to 256
-    descriptors: its descriptors and threads stay within the connection cap (16) of
-    where they were, it keeps supervising its job, the refused connections are
-    counted, and a real scrape succeeds once the idle ones have timed out (5 s)."""
+    descriptors: its descriptors stay within the connection cap (a quarter of them: 64)
+    of where they were and its threads do not grow, it keeps supervising its job, the
+    refused connections are counted, and a real scrape succeeds meanwhile."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 1100 + _fds(os.getpid())
     if hard != resource.RLIM_INFINITY and hard < want:
@@ -148,15 +148,17 @@ def test_a_thousand_idle_metrics_connections_neither_exhaust_descriptors_nor_sto
                 conns.append(socket.create_connection(("127.0.0.1", port), timeout=10))
         assert len(conns) >= 900, f"only {len(conns)} connections were established"
         assert p.poll() is None, _output(ws, p)
-        assert _fds(p.pid) <= fds + 16 + 4, (fds, _fds(p.pid))
-        assert _threads(p.pid) <= threads + 16 + 2, (threads, _threads(p.pid))
+        assert _fds(p.pid) <= fds + 64 + 4, (fds, _fds(p.pid))
+        assert _threads(p.pid) <= threads + 2, (threads, _threads(p.pid))
         # Served again at the latest when the idle ones time out; the job never stopped.
         wait_for(lambda: s.get("trainwatch_job_state", job="job", state="running") == 1,
                  timeout=30, what="a scrape served while 1,000 connections stay open")
         dropped = s.get("trainwatch_metrics_connections_dropped_total", reason="over_limit")
-        assert dropped is not None and dropped >= len(conns) - 16
-        assert (s.get("trainwatch_metrics_connections_dropped_total", reason="timeout")
-                or 0) >= 1
+        assert dropped is not None and dropped >= len(conns) - 64
+        # The idle ones still open are closed when their request head is late (5 s).
+        wait_for(lambda: (s.get("trainwatch_metrics_connections_dropped_total",
+                                reason="timeout") or 0) >= 1, timeout=30,
+                 what="idle connections timed out")
         assert s.get("trainwatch_job_attempts_total", job="job") == 1
     finally:
         for c in conns:

@@ -33,6 +33,7 @@ import errno
 import io
 import logging
 import queue
+import resource
 import selectors
 import socket
 import threading
@@ -92,15 +93,26 @@ class _Handler(MetricsHandler):
         """Nothing per request: a scrape every 15 s would flood the log."""
 
 
+def connection_cap() -> int:
+    """The default cap on connections open at once (MetricsServer's docstring)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(16, min(MAX_CONNECTIONS, soft // 4))
+
+
 class MetricsServer:
     """Serves ``registry`` on ``address:port`` from its own thread (``start``);
     bounded as the module says. Raises OSError when the port cannot be bound."""
 
     def __init__(self, address: str, port: int, registry: Collector,
-                 max_connections: int = MAX_CONNECTIONS, io_timeout: float = IO_TIMEOUT,
+                 max_connections: int | None = None, io_timeout: float = IO_TIMEOUT,
                  deadline: float = DEADLINE, workers: int = WORKERS) -> None:
+        """``max_connections``: by default MAX_CONNECTIONS, or a quarter of the
+        descriptors this process may open when that is fewer (the rest are the
+        jobs', the ledger's, the hands'), never under 16."""
         self.registry = registry
-        self.max_connections = max_connections
+        self.max_connections = max_connections or connection_cap()
         self.io_timeout = io_timeout
         self.deadline = deadline
         self.dropped = Dropped()

@@ -70,7 +70,7 @@ def _open_fs(url: str, options: Mapping[str, Any]) -> tuple[Any, str]:
     try:
         fs, root = url_to_fs(url, **options)
     except ImportError as e:  # fsspec's "Install s3fs to access S3"
-        raise RemoteError(f"{url}: {e} (the snapshot extra: {_EXTRA})") from None
+        raise RemoteError(f"{url}: {e} ({_EXTRA})") from None
     except ValueError as e:
         raise RemoteError(f"{url}: {e}") from None
     return fs, str(root).rstrip("/")
