@@ -359,10 +359,18 @@ def stray_hands(cmd: bytes, uid: int | None) -> list[int]:
     return out
 
 
+def cgroup(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cgroup").read_text().strip()
+    except OSError:
+        return "?"
+
+
 def hands_mem(daemon: int) -> dict[str, Any]:
     hs = hands_of(daemon)
     ms = [mem(p) for p in hs]
     return {"pids": sorted(hs), "uids": sorted(set(hs.values())), "n": len(hs),
+            "in_daemon_cgroup": sum(1 for p in hs if cgroup(p) == cgroup(daemon)),
             "rss": sum(m["rss"] for m in ms), "pss": sum(m["pss"] for m in ms),
             "uss": sum(m["uss"] for m in ms),
             "max_rss": max((m["rss"] for m in ms), default=0.0)}
@@ -565,7 +573,7 @@ def part_c(h: UserHost, ident: Identity | None, count: int, what: str, after: fl
     want = {"catalog listing cut"} if what in ("steps", "both") else set()
     if what in ("rings", "both"):
         want.add("rings refused")
-    deadline = t0 + (control_wait if what == "none" else 240)
+    deadline = (t0 + control_wait if what == "none" else time.monotonic() + 240)
     next_status = time.monotonic()
     seen: dict[str, float] = {}
     while time.monotonic() < deadline:
@@ -697,6 +705,8 @@ def print_d(r: dict[str, Any]) -> None:
     print(f"  daemon RSS {m['rss']:.1f} MB, USS {m['uss']:.1f} MB; hands RSS {hm['rss']:.1f} MB,"
           f" PSS {hm['pss']:.1f}, USS {hm['uss']:.1f} MB in all; keepers"
           f" {r['keepers_cpu_pct_total']:.3f} %")
+    print(f"  hands as uid {hm['uids']}, {hm['in_daemon_cgroup']} of {hm['n']} in the daemon's"
+          " cgroup (their memory is charged to it, not to the job's)")
 
 
 def print_c(c: dict[str, Any]) -> None:
