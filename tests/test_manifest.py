@@ -343,21 +343,34 @@ def test_a_checkpoint_deleted_while_hashed_is_survived_and_counted(tmp_path: Pat
 
 def test_submit_is_idempotent_and_the_queue_is_bounded(tmp_path: Path) -> None:
     """The same step twice is one job; past max_pending the oldest submission is dropped."""
-    v = Verifier(Store(tmp_path / "m"), max_pending=3)
+    started = threading.Event()
+    go = threading.Event()
+
+    def clock() -> float:  # the worker's first job waits: none of the ten is taken early
+        if not started.is_set():
+            started.set()
+            go.wait(30)
+        return time.monotonic()
+
+    v = Verifier(Store(tmp_path / "m"), clock=clock, max_pending=3)
     try:
+        v.submit(100, str(ckpt(tmp_path, "step_100", big=MB)))
+        assert started.wait(30)
         paths = [str(sparse(tmp_path / f"s{i}" / "w", 256 * MB).parent) for i in range(10)]
         for i, p in enumerate(paths):
             v.submit(i, p)
             v.submit(i, p)
         c = v.counts()
-        assert c["pending"] <= 3 and c["dropped"] >= 6
+        assert c["pending"] == 3 and c["dropped"] == 7
+        go.set()
         wait_for(lambda: v.counts()["pending"] == 0 and v.counts()["busy"] == 0, 60, "idle")
         made = v.counts()["made"]
-        assert v.store.get(9) is not None and v.store.get(0) is None
+        assert made == 4 and v.store.get(9) is not None and v.store.get(0) is None
         v.submit(9, paths[9])  # its manifest exists: nothing to make
         wait_for(lambda: v.counts()["pending"] == 0 and v.counts()["busy"] == 0, 60, "idle")
         assert v.counts()["made"] == made
     finally:
+        go.set()
         v.close()
 
 
