@@ -45,21 +45,24 @@ def _require_root() -> None:
 def _read_lines(stream: IO[str] | None, n: int, timeout: float = 20.0) -> list[str]:
     """Read n lines from a subprocess pipe, failing rather than hanging past timeout."""
     assert stream is not None
+    # Raw reads of the fd: a buffered readline may take both lines in one read and
+    # leave select waiting for data already read (lines that arrived together).
+    fd = stream.fileno()
     sel = selectors.DefaultSelector()
-    sel.register(stream, selectors.EVENT_READ)
-    lines: list[str] = []
+    sel.register(fd, selectors.EVENT_READ)
+    data = b""
     deadline = time.monotonic() + timeout
     try:
-        while len(lines) < n:
+        while data.count(b"\n") < n:
             left = deadline - time.monotonic()
-            assert left > 0, f"timed out; got {lines}"
+            assert left > 0, f"timed out; got {data!r}"
             if sel.select(left):
-                line = stream.readline()
-                assert line, f"the process closed its output early; got {lines}"
-                lines.append(line.strip())
+                chunk = os.read(fd, 4096)
+                assert chunk, f"the process closed its output early; got {data!r}"
+                data += chunk
     finally:
         sel.close()
-    return lines
+    return [line.strip() for line in data.decode().splitlines()[:n]]
 
 
 @pytest.fixture
