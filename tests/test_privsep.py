@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import local_user, need_root
+from conftest import local_user, missing, need_root
+from trainwatch.actions import pull
 from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints
 from trainwatch.evidence import flightrecorder
@@ -351,3 +352,28 @@ def test_a_catalog_whose_hand_died_starts_a_new_one_from_a_full_listing(open_tmp
         assert hand.counts["spawns"] == 2
     finally:
         hand.close()
+
+
+def test_listing_a_remote_for_a_rollback_runs_the_jobs_credential_process_as_its_user(
+        open_tmp: Path) -> None:
+    """The job's HOME names a credential_process in .aws/config: listing the remote's
+    snapshots (a rollback to a step only it holds) runs it as the job's user, never
+    as root."""
+    try:
+        import s3fs  # noqa: F401  (the listing needs it)
+    except ImportError:
+        missing("s3fs is not installed (the snapshot extra)")
+    ident = _user()
+    home, out = open_tmp / "home", open_tmp / "out"
+    (home / ".aws").mkdir(parents=True)
+    out.mkdir()
+    creds = '{"Version": 1, "AccessKeyId": "a", "SecretAccessKey": "b"}'
+    (home / ".aws" / "config").write_text(
+        f"[default]\ncredential_process = /bin/sh -c \"id -u > {out}/uid; echo '{creds}'\"\n")
+    _give(home, ident)
+    _give(out, ident)
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+           "AWS_MAX_ATTEMPTS": "1"}
+    with pytest.raises(ValueError):  # nothing listens there
+        pull.steps("s3://bucket/run", timeout=60, env=env, ident=ident)
+    assert (out / "uid").read_text().strip() == str(ident.uid)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainwatch import respond
 from trainwatch.actions import credentials, jobenv
-from trainwatch.privsep.hand import Hand, HandError
+from trainwatch.privsep.hand import Hand, HandError, HandTimeout, OpFailed
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
@@ -147,29 +147,36 @@ def _one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {e}".splitlines()[0][:300]
 
 
-def steps(url: str, timeout: float = LIST_MAX, env: dict[str, str] | None = None) -> list[int]:
-    """The steps of the snapshots ``url`` holds (reached with ``env``'s credentials:
-    the job's), listed in a thread the caller waits for at most ``timeout``; a
-    ValueError of one line when it cannot."""
-    got: list[list[int]] = []
-    error: list[str] = []
+def steps_in_hand(url: str) -> list[int]:
+    """In the job's hand, as its user, in its environment: the remote's steps."""
+    from trainwatch.snapshot import remote
 
-    def run() -> None:
-        try:
-            from trainwatch.snapshot import remote
+    return remote.steps(url, dict(os.environ))
 
-            got.append(remote.steps(url, env))
-        except Exception as e:  # anything from the network or the store: one line
-            error.append(_one_line(e))
 
-    t = threading.Thread(target=run, name="trainwatch-list", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        raise ValueError(f"{url} did not list its snapshots within {timeout:g}s")
-    if error:
-        raise ValueError(f"cannot list the snapshots of {url}: {error[0]}")
-    return got[0]
+def steps(url: str, timeout: float = LIST_MAX, env: dict[str, str] | None = None,
+          ident: credentials.Identity | None = None) -> list[int]:
+    """The steps of the snapshots ``url`` holds, listed in a hand as ``ident`` (the
+    job's user) in ``env`` (its environment: its credentials, its HOME), as the
+    pull is: botocore reads the config files ``env`` names and runs a
+    ``credential_process`` written there, which must never run as root. At most
+    ``timeout``; a ValueError of one line when it cannot."""
+    hand = Hand(f"listing of {url}", ident, env=env, preload=PRELOAD)
+    try:
+        got = hand.call(steps_in_hand, url, timeout=timeout)
+    except HandTimeout:
+        raise ValueError(f"{url} did not list its snapshots within {timeout:g}s") from None
+    except OpFailed as e:
+        said = f"{e.kind}: {e.text}".splitlines()[0][:300]
+        raise ValueError(f"cannot list the snapshots of {url}: {said}") from None
+    except HandError as e:
+        raise ValueError(f"cannot list the snapshots of {url}: no answer as the job's "
+                         f"user: {e}") from None
+    finally:
+        hand.close()
+    if not isinstance(got, list):
+        raise ValueError(f"cannot list the snapshots of {url}: the job's hand answered nonsense")
+    return sorted({s for s in got if isinstance(s, int)})
 
 
 # The pull a job's launch waits for (a weak map: no field on JobRunner for it).
@@ -194,7 +201,7 @@ def newest(r: JobRunner, reason: str) -> None:
     begin(r, None, reason)
 
 
-def _ident(r: JobRunner) -> credentials.Identity | None:
+def job_ident(r: JobRunner) -> credentials.Identity | None:
     try:
         return credentials.resolve(r.job.user, r.job.group)
     except (KeyError, OSError):
@@ -205,7 +212,7 @@ def environment(r: JobRunner, ident: credentials.Identity | None = None) -> dict
     """The environment the job's attempts get, but trainwatch's own variables:
     whose AWS credentials, endpoint and HOME its uploads use (actions/jobenv.py)."""
     if ident is None:
-        ident = _ident(r)
+        ident = job_ident(r)
     env = jobenv.base(r.job, ident, r.die_with_parent, os.environ)
     env.update(r.job.env)
     return env
@@ -216,7 +223,7 @@ def begin(r: JobRunner, step: int | None, reason: str) -> None:
     spec = r.job.checkpoints
     if r in _pulls or spec.remote is None or spec.dir is None:
         return
-    ident = _ident(r)
+    ident = job_ident(r)
     # Failed, would the launch start fresh? Always for the newest; for a rollback's
     # step, when no good local checkpoint before it is there to resume from.
     fresh = step is None or r.catalog.last_good(before_step=step, fresh=False) is None

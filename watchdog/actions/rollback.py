@@ -41,7 +41,8 @@ def to_step(r: JobRunner, step: int, reason: str) -> str:
         if pull.pending(r):
             raise ValueError(f"a pull from {remote} is under way: try again once it is done")
         # Before anything is touched (a step it lacks is refused), with the job's credentials.
-        held = pull.steps(remote, env=pull.environment(r))
+        ident = pull.job_ident(r)
+        held = pull.steps(remote, env=pull.environment(r, ident), ident=ident)
         if step not in held:
             have = [e.step for e in entries if e.good]
             raise ValueError(f"no snapshot of step {step} on local disk (good: {have or 'none'}) "
