@@ -16,7 +16,7 @@ import pytest
 from conftest import local_user, missing, need_root
 from trainwatch.actions import pull
 from trainwatch.actions.credentials import Identity, resolve
-from trainwatch.config import Checkpoints
+from trainwatch.config import Checkpoints, Job
 from trainwatch.evidence import flightrecorder
 from trainwatch.layouts import megatron
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
@@ -377,3 +377,36 @@ def test_listing_a_remote_for_a_rollback_runs_the_jobs_credential_process_as_its
     with pytest.raises(ValueError):  # nothing listens there
         pull.steps("s3://bucket/run", timeout=60, env=env, ident=ident)
     assert (out / "uid").read_text().strip() == str(ident.uid)
+
+
+class _Catalog:
+    def __init__(self, folder: str) -> None:
+        self.spec = Checkpoints(dir=folder)
+
+    def last_good(self, before_step: int | None = None, fresh: bool = True) -> None:
+        return None
+
+
+class _Runner:
+    """What pull.begin reads of a job's runner."""
+
+    def __init__(self, job: Job) -> None:
+        self.job, self.die_with_parent = job, False
+        self.catalog = _Catalog(str(job.checkpoints.dir))
+
+
+def test_a_pull_for_a_user_that_cannot_be_resolved_fails_and_never_runs_as_root(
+        open_tmp: Path) -> None:
+    """The job's user is gone (a directory service down): its pull fails with one line
+    naming the user; no hand runs, so nothing is written in its folder as root."""
+    need_root("a pull that would otherwise run as root")
+    folder = open_tmp / "ckpt"
+    job = Job(name="gone", command=("true",), user="twnosuchuser",
+              checkpoints=Checkpoints(dir=str(folder), remote=f"file://{open_tmp}/remote"))
+    r = _Runner(job)
+    pull.begin(r, None, "test")  # type: ignore[arg-type]
+    p = pull._pulls.pop(r)  # type: ignore[call-overload]
+    assert p.thread is not None
+    p.thread.join(60)
+    assert p.error is not None and "twnosuchuser" in p.error, p.error
+    assert not folder.exists()  # the pull's hand makes the folder: none ran

@@ -80,12 +80,16 @@ class Pull:
     retired: list[int] | None = None  # the steps retired after a failure
     retire_error: str | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
+    refused: str | None = None  # why it may not run at all (its user not resolved)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="trainwatch-pull", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
+        if self.refused is not None:
+            self.error = self.refused
+            return
         hand = Hand(f"pull of {self.root}", self.ident, env=self.env, preload=PRELOAD)
         try:
             got = hand.call(pull_in_hand, self.url, self.root, self.step, self.retire,
@@ -202,10 +206,14 @@ def newest(r: JobRunner, reason: str) -> None:
 
 
 def job_ident(r: JobRunner) -> credentials.Identity | None:
+    """The job's user (None: it names none and runs as we do). A ValueError when it
+    names one that cannot be resolved now (a user removed, a directory service
+    down): never root's rights instead, in a folder that user may write."""
     try:
         return credentials.resolve(r.job.user, r.job.group)
-    except (KeyError, OSError):
-        return None  # the launch says so
+    except (KeyError, OSError) as e:
+        who = r.job.user if r.job.user is not None else f"group {r.job.group}"
+        raise ValueError(f"cannot resolve the job's user {who}: {e}") from None
 
 
 def environment(r: JobRunner, ident: credentials.Identity | None = None) -> dict[str, str]:
@@ -223,12 +231,17 @@ def begin(r: JobRunner, step: int | None, reason: str) -> None:
     spec = r.job.checkpoints
     if r in _pulls or spec.remote is None or spec.dir is None:
         return
-    ident = job_ident(r)
+    refused: str | None = None
+    try:
+        ident = job_ident(r)
+        env: dict[str, str] | None = environment(r, ident)
+    except ValueError as e:  # the pull fails, as one that could not reach the remote
+        ident, env, refused = None, None, str(e)
     # Failed, would the launch start fresh? Always for the newest; for a rollback's
     # step, when no good local checkpoint before it is there to resume from.
     fresh = step is None or r.catalog.last_good(before_step=step, fresh=False) is None
-    p = Pull(spec.remote, r.catalog.spec.dir or spec.dir, step, reason, ident,
-             environment(r, ident), fresh and spec.on_pull_failure == "retire")
+    p = Pull(spec.remote, r.catalog.spec.dir or spec.dir, step, reason, ident, env,
+             fresh and spec.on_pull_failure == "retire", refused=refused)
     log.info("job %s: pulling %s from %s", r.job.name, p.what, spec.remote)
     p.start()
     _pulls[r] = p
