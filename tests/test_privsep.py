@@ -11,20 +11,23 @@ import pwd
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import local_user, missing, need_root
+from conftest import Workspace, local_user, missing, need_root
 from trainwatch.actions import pull
 from trainwatch.actions.credentials import Identity, resolve
-from trainwatch.config import Checkpoints, Job
+from trainwatch.config import Checkpoints, Job, from_mapping
 from trainwatch.evidence import flightrecorder
 from trainwatch.layouts import megatron
+from trainwatch.privsep import jobhands
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
 from trainwatch.state import ondisk
 from trainwatch.state.catalog import Catalog
 from trainwatch.state.manifest import Store
 from trainwatch.state.verifier import Verifier
+from trainwatch.supervisor import Supervisor
 
 USER = "twhand"
 
@@ -410,3 +413,40 @@ def test_a_pull_for_a_user_that_cannot_be_resolved_fails_and_never_runs_as_root(
     p.thread.join(60)
     assert p.error is not None and "twnosuchuser" in p.error, p.error
     assert not folder.exists()  # the pull's hand makes the folder: none ran
+
+
+def test_a_reload_that_gives_a_root_job_a_user_moves_its_hands_to_that_user(
+        ws: Workspace) -> None:
+    """A job run as root is given a user by a reload: its hands, which act in its folders,
+    run as that user from their next call on, never as root any more."""
+    ident = _user()
+    doc: dict[str, Any] = {
+        "state_dir": str(ws.state), "run_dir": str(ws.root / "run"), "metrics": {"port": 0},
+        "gpu": {"backend": "off"}, "jobs": [{"name": "j", "command": ["/bin/true"]}]}
+    sup = Supervisor(from_mapping(doc))
+    try:
+        r = sup.runners[0]
+        assert r.hands.quick.call(os.getuid, timeout=30) == 0
+        doc["jobs"][0]["user"] = USER
+        new = from_mapping(doc)
+        r.reconfigure(new, new.jobs[0])
+        for h in (r.hands.quick, r.hands.bulk, r.hands.evidence):
+            assert h.call(os.getuid, timeout=30) == ident.uid
+    finally:
+        sup.close()
+
+
+def test_hands_whose_new_user_cannot_be_resolved_run_nothing_until_it_can() -> None:
+    """A reload names a user that cannot be resolved: the job's hands refuse every call
+    (never going on as the former user, root here), and run again once it resolves."""
+    hands = jobhands.for_job("j", None)
+    try:
+        pid = hands.quick.call(os.getpid, timeout=30)
+        hands.follow("j", "twnosuchuser", None)
+        with pytest.raises(HandDown):
+            hands.quick.call(os.getpid, timeout=30)
+        assert not os.path.exists(f"/proc/{pid}")  # killed and reaped
+        hands.follow("j", None, None)
+        assert hands.quick.call(os.getuid, timeout=30) == os.getuid()
+    finally:
+        hands.close()

@@ -211,6 +211,7 @@ class JobRunner:
     def reconfigure(self, config: Config, job: Job) -> None:
         """A reload changed the job: the change applies from its next launch."""
         self.config, self.job, self.policy = config, job, config.policy_for(job)
+        self.hands.follow(job.name, job.user, job.group)  # its folders, as its user now
         log.info("job %s: config changed; applies at its next launch", job.name)
 
     def gpus(self) -> list[int] | None:

@@ -111,6 +111,8 @@ class Hand:
         self._down_until = 0.0
         self._next_cooldown = cooldown
         self._closed = False
+        self._stale = False  # the job's user changed: the next call forks anew
+        self._refused: str | None = None
         self.counts = dict.fromkeys(
             ("calls", "timeouts", "aborted", "failed", "down", "died", "spawns"), 0)
 
@@ -131,6 +133,9 @@ class Hand:
             now = self.clock()
             if self._closed:
                 raise HandDown(f"{self.name}: closed")
+            if self._refused is not None:
+                self._kill()
+                raise HandDown(f"{self.name}: {self._refused}")
             if now < self._down_until:
                 self.counts["down"] += 1
                 raise HandDown(f"{self.name}: cooling down for {self._down_until - now:.0f}s "
@@ -181,9 +186,28 @@ class Hand:
             self._closed = True
             self._kill()
 
+    def rebind(self, ident: Identity | None) -> None:
+        """The job's user changed (a reload): from the next call on, a new hand as
+        ``ident`` (a call in flight ends as it began). Takes no lock: the loop
+        must not wait for a long call on this hand."""
+        if ident != self.ident or self._refused is not None:
+            self.ident = ident  # read at the next spawn
+            self._stale = True
+            self._refused = None
+
+    def refuse(self, why: str) -> None:
+        """No call runs any more (the job's user cannot be resolved: never as
+        another); the process goes at the next call or at close. No lock, as
+        rebind."""
+        self._refused = why
+        self._stale = True
+
     # --- the process --------------------------------------------------------------
 
     def _ready(self) -> socket.socket:
+        if self._stale:
+            self._stale = False
+            self._kill()  # a hand of the job's former user
         if self._pid is not None:
             try:
                 pid, _ = os.waitpid(self._pid, os.WNOHANG)

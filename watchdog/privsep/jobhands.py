@@ -6,10 +6,14 @@ its deadline, nor an incident's evidence wait for it."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
+from trainwatch.actions import credentials
 from trainwatch.actions.credentials import Identity
 from trainwatch.privsep.hand import Hand
+
+log = logging.getLogger("trainwatch")
 
 
 @dataclass
@@ -21,6 +25,21 @@ class JobHands:
     def close(self) -> None:
         for h in (self.quick, self.bulk, self.evidence):
             h.close()
+
+    def follow(self, name: str, user: str | None, group: str | None) -> None:
+        """A reload changed the job: its hands act as its user and group now (they
+        would go on as the old ones, root's where the job had no user)."""
+        hands = (self.quick, self.bulk, self.evidence)
+        try:
+            ident = credentials.resolve(user, group)
+        except (KeyError, OSError, ValueError) as e:
+            log.error("job %s: cannot resolve its user %s: nothing is done in its folders "
+                      "until it can", name, e)
+            for h in hands:
+                h.refuse(f"the job's user cannot be resolved: {e}")
+            return
+        for h in hands:
+            h.rebind(ident)
 
 
 def for_job(name: str, ident: Identity | None) -> JobHands:
