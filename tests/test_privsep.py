@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import Workspace, local_user, missing, need_root
+from trainwatch import checkpointlist
 from trainwatch.actions import pull
 from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints, Job, from_mapping
@@ -450,3 +451,26 @@ def test_hands_whose_new_user_cannot_be_resolved_run_nothing_until_it_can() -> N
         assert hands.quick.call(os.getuid, timeout=30) == os.getuid()
     finally:
         hands.close()
+
+
+def test_a_daemons_checkpoint_listing_reads_sizes_as_the_jobs_user(open_tmp: Path) -> None:
+    """``trainwatch checkpoints`` on a daemon: sizes and times are read in the job's hand,
+    as its user: a folder inside the checkpoint that only root may enter is not walked."""
+    ident = _user()
+    ckpt = open_tmp / "ckpt"
+    step = ckpt / "step_5"
+    (step / "private").mkdir(parents=True)
+    (step / "weights").write_bytes(b"w" * 1000)
+    (step / "private" / "big").write_bytes(b"x" * 100_000)
+    _give(ckpt, ident)
+    os.chown(step / "private", 0, 0)
+    (step / "private").chmod(0o700)
+    hand = Hand("t", ident)
+    try:
+        cat = Catalog(Checkpoints(dir=str(ckpt)), open_tmp / "c.json", hand=hand)
+        assert cat.report(5, str(step))
+        got = checkpointlist.listing("j", cat, hand=hand)
+    finally:
+        hand.close()
+    [row] = got["checkpoints"]
+    assert row["size"] == 1000 and isinstance(row["time"], float), row

@@ -10,19 +10,23 @@ folder, and each good checkpoint's sizes checked against its manifest
 (``manifests/``; the hashes are the daemon's to check, before a relaunch).
 
 Post-mortem, the folder is listed in this process, with the rights of whoever
-runs the command (the daemon lists it in the job's hand, as the job's user:
-that is root's caution, not the operator's). Nothing is written.
+runs the command (the daemon lists it, and reads sizes and times there, in
+the job's hand, as the job's user, for at most ``FACTS_BUDGET`` seconds: that
+is root's caution, not the operator's). Nothing is written.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainwatch.config import Checkpoints, ConfigError, Job
-from trainwatch.state import atomic, manifest, retention
+from trainwatch.privsep.hand import Hand, HandError
+from trainwatch.state import atomic, manifest
 from trainwatch.state.catalog import Catalog, Entry
 
 LIMIT = 200  # the newest this many: a daemon's reply must fit one datagram
@@ -34,17 +38,78 @@ def _verdict(e: Entry) -> str:
     return "good" if e.good else "incomplete"
 
 
-def listing(job: str, catalog: Catalog, entries: list[Entry] | None = None) -> dict[str, Any]:
-    """The reply of ``checkpoints``: the catalog's entries (listed now unless given)."""
+# Sizes and times of one listing: read for at most this long (a checkpoint folder of
+# a million files is the job's to fill); those left are shown as unknown.
+FACTS_BUDGET = 2.0
+
+
+def _size(path: str, until: float) -> int | None:
+    """retention.size_of, given up (None) at ``until``."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
+    total = 0
+    for top, _dirs, files in os.walk(path):
+        for n, name in enumerate(files):
+            if n % 256 == 0 and time.monotonic() >= until:
+                return None
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue  # removed meanwhile
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+        if time.monotonic() >= until:
+            return None
+    return total
+
+
+def facts(paths: list[str], budget: float = FACTS_BUDGET) -> list[list[Any]]:
+    """[size, mtime] of each of ``paths`` (None where unknown, and for all past
+    ``budget`` seconds). A daemon's listing runs it in the job's hand, as its
+    user (the folder is theirs); a post-mortem one in this process."""
+    until = time.monotonic() + budget
+    out: list[list[Any]] = []
+    for p in paths:
+        try:
+            mtime: float | None = os.stat(p).st_mtime if time.monotonic() < until else None
+        except OSError:
+            mtime = None
+        out.append([_size(p, until) if mtime is not None else None, mtime])
+    return out
+
+
+def _in_hand(hand: Hand, paths: list[str]) -> list[tuple[int | None, float | None]]:
+    """facts() in the job's hand; its answer checked (the hand is the job user's)."""
+    try:
+        got = hand.call(facts, paths, timeout=FACTS_BUDGET + 5.0)
+    except HandError:
+        got = None
+    if not isinstance(got, list) or len(got) != len(paths):
+        return [(None, None)] * len(paths)
+    out: list[tuple[int | None, float | None]] = []
+    for f in got:
+        size, mtime = f if isinstance(f, list) and len(f) == 2 else (None, None)
+        out.append((size if isinstance(size, int) and size >= 0 else None,
+                    float(mtime) if isinstance(mtime, (int, float)) else None))
+    return out
+
+
+def listing(job: str, catalog: Catalog, entries: list[Entry] | None = None,
+            hand: Hand | None = None) -> dict[str, Any]:
+    """The reply of ``checkpoints``: the catalog's entries (listed now unless given);
+    their sizes and times read in ``hand`` (the job's, as its user) when given."""
     entries = catalog.entries() if entries is None else entries
     good = [e for e in entries if e.good]
+    shown = entries[-LIMIT:]
+    paths = [e.path for e in shown]
+    known = (_in_hand(hand, paths) if hand is not None
+             else [(f[0], f[1]) for f in facts(paths)])
     out = []
-    for e in entries[-LIMIT:]:
-        try:
-            mtime: float | None = os.stat(e.path).st_mtime
-            size: int | None = retention.size_of(e.path)
-        except OSError:
-            size = mtime = None
+    for e, (size, mtime) in zip(shown, known, strict=True):
         out.append({"step": e.step, "path": e.path, "verdict": _verdict(e),
                     "why": e.why, "last_good": bool(good) and e is good[-1],
                     "health": catalog.health.get(e.step), "size": size, "time": mtime,

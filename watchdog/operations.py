@@ -172,4 +172,4 @@ def retention_plan(r: JobRunner) -> dict[str, Any]:
 
 
 def checkpoints(r: JobRunner) -> dict[str, Any]:
-    return checkpointlist.listing(r.job.name, r.catalog)
+    return checkpointlist.listing(r.job.name, r.catalog, hand=r.hands.quick)
