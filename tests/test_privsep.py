@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import Workspace, local_user, missing, need_root
 from trainwatch import checkpointlist
-from trainwatch.actions import pull
+from trainwatch.actions import prune, pull
 from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints, Job, from_mapping
 from trainwatch.evidence import flightrecorder
@@ -474,3 +474,33 @@ def test_a_daemons_checkpoint_listing_reads_sizes_as_the_jobs_user(open_tmp: Pat
         hand.close()
     [row] = got["checkpoints"]
     assert row["size"] == 1000 and isinstance(row["time"], float), row
+
+
+class _Hands:
+    def __init__(self, hand: Hand) -> None:
+        self.quick = hand
+
+
+class _Folder:
+    """What prune.free_space reads of a job's runner."""
+
+    def __init__(self, folder: str, hand: Hand) -> None:
+        self.catalog, self.hands = _Catalog(folder), _Hands(hand)
+
+
+def test_free_space_of_a_jobs_folder_is_read_as_its_user(open_tmp: Path) -> None:
+    """The free space retention and ``retention`` report is read in the job's hand: a
+    folder under one only root may enter is unknown, not root's statvfs of it."""
+    ident = _user()
+    hidden = open_tmp / "private"
+    (hidden / "ckpt").mkdir(parents=True)
+    hidden.chmod(0o700)
+    mine = open_tmp / "mine"
+    mine.mkdir()
+    _give(mine, ident)
+    hand = Hand("t", ident)
+    try:
+        assert prune.free_space(_Folder(str(hidden / "ckpt"), hand)) is None  # type: ignore[arg-type]
+        assert isinstance(prune.free_space(_Folder(str(mine), hand)), int)  # type: ignore[arg-type]
+    finally:
+        hand.close()

@@ -22,7 +22,6 @@ from trainwatch.access import Peer
 from trainwatch.actions import prune, rollback
 from trainwatch.actions.launch import launch
 from trainwatch.policy import RestartHistory
-from trainwatch.state import retention
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
@@ -167,8 +166,7 @@ def retention_plan(r: JobRunner) -> dict[str, Any]:
     return {"job": r.job.name, "rules": r.job.checkpoints.keep.deletes,
             "delete": [{"step": c.step, "path": c.path, "size": c.size} for c in p.delete],
             "kept": [{"step": s, "why": why} for s, why in p.kept[-200:]],
-            "free_bytes": retention.free_bytes(r.catalog.spec.dir)
-            if r.catalog.spec.dir else None}
+            "free_bytes": prune.free_space(r)}
 
 
 def checkpoints(r: JobRunner) -> dict[str, Any]:

@@ -47,6 +47,12 @@ def _in_hand(r: JobRunner, fn: Callable[[str], int | None], path: str) -> int | 
     return got if isinstance(got, int) else None
 
 
+def free_space(r: JobRunner) -> int | None:
+    """Free space under the job's folder, read as its user (a path of theirs)."""
+    root = r.catalog.spec.dir
+    return _in_hand(r, retention.free_bytes, root) if root else None
+
+
 def collect_in_hand(root: str) -> dict[str, int] | None:
     """In the hand: the store's GC, when ``root/blobs`` is a folder (not a link)."""
     try:
@@ -100,9 +106,9 @@ def keep_rule(r: JobRunner) -> Keep:
 
 def plan(r: JobRunner, listed: bool = True) -> Plan:
     """What retention would delete now, and why each other checkpoint stays."""
-    keep, root = keep_rule(r), r.catalog.spec.dir
+    keep = keep_rule(r)
     entries = r.catalog.entries() if listed else r.catalog.known()
-    free = _in_hand(r, retention.free_bytes, root) if root else None
+    free = free_space(r)
     sized = keep.min_free_bytes is not None and free is not None and free < keep.min_free_bytes
     cands = [retention.candidate(e, (_in_hand(r, retention.size_of, e.path) or 0) if sized
                                  else 0) for e in entries]
@@ -119,7 +125,7 @@ def after_refresh(r: JobRunner) -> None:
         return
     good = r.checkpoints.last_good
     low = keep.min_free_bytes is not None and (
-        (free := _in_hand(r, retention.free_bytes, root)) is not None
+        (free := free_space(r)) is not None
         and free < keep.min_free_bytes)
     step = good.step if good is not None else None
     if step == r.catalog.pruned_at and not low:
