@@ -343,8 +343,17 @@ def hands_of(daemon: int) -> dict[int, int]:
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
             if int(proc_stat(int(p.name))[1]) == daemon and (p / "cmdline").read_bytes() == cmd:
-                out[int(p.name)] = (p / "status").stat().st_uid
+                out[int(p.name)] = proc_uid(int(p.name))
     return out
+
+
+def proc_uid(pid: int) -> int:
+    """The real uid, from Uid: (a hand that dropped from root is not dumpable, so its
+    /proc files are root's whatever its uid)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise ValueError(f"no Uid: for {pid}")
 
 
 def stray_hands(cmd: bytes, uid: int | None) -> list[int]:
@@ -352,9 +361,9 @@ def stray_hands(cmd: bytes, uid: int | None) -> list[int]:
     out = []
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, ValueError):
                 if (p / "cmdline").read_bytes() == cmd and (
-                        uid is None or (p / "status").stat().st_uid == uid):
+                        uid is None or proc_uid(int(p.name)) == uid):
                     out.append(int(p.name))
     return out
 
