@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainwatch.layouts import base
 from trainwatch.privsep import child
 from trainwatch.privsep.hand import Hand, HandError
 from trainwatch.state import ondisk
@@ -73,9 +74,9 @@ def refresh_in_hand(key: str, layout: bytes | None, root: str | None,
     before = dict(disk.paths)
     listings = disk.listings
     child.kept.pop("truncated", None)
-    cut = ondisk.names_cut
+    cut = ondisk.names_cut + base.entries_cut
     changed = disk.refresh(force or fresh)
-    names_cut = ondisk.names_cut != cut
+    names_cut = ondisk.names_cut + base.entries_cut != cut
     if names_cut:
         child.kept["truncated"] = f"over {ondisk.MAX_NAMES} names"
     recognised = getattr(disk.layout, "found", None)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from trainwatch.config import Checkpoints
 from trainwatch.layouts.base import safetensors_file
-from trainwatch.state.ondisk import Generic, newest_mtime, nonempty
+from trainwatch.state.ondisk import Generic, names_of, newest_mtime, nonempty
 
 QUIET_FOR = 60.0  # unchanged this long, with no marker and no format to read: complete
 DEFAULT_PATTERN = Checkpoints().pattern
@@ -153,8 +153,7 @@ class Numbered:
 
     def candidates(self, root: Path) -> dict[int, str]:
         try:
-            with os.scandir(root) as it:
-                names = sorted(e.name for e in it)
+            names = sorted(names_of(root))  # bounded: the folder is the job's to fill
         except OSError:
             return {}
         naming = self.given

@@ -79,6 +79,18 @@ def listed(root: Path, step_of: Callable[[str], int | None]) -> dict[int, str]:
     return found
 
 
+def names_of(root: Path | str) -> list[str]:
+    """The first ``MAX_NAMES`` names of ``root``, in the folder's order (past it
+    the rest are not seen, and names_cut says so). Raises OSError."""
+    global names_cut
+    with os.scandir(root) as it:
+        out = [e.name for e in itertools.islice(it, MAX_NAMES + 1)]
+    if len(out) > MAX_NAMES:
+        names_cut += 1
+        del out[MAX_NAMES:]
+    return out
+
+
 def newest_mtime(path: Path) -> float:
     try:
         newest = path.stat().st_mtime
