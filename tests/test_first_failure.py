@@ -127,6 +127,27 @@ def test_a_torchrun_rank_sigkilled_is_named_with_its_signal(ws: Workspace) -> No
     assert ev["torchrun_root_cause"]["signal"] == "SIGKILL", ev
 
 
+def test_a_rank_reaped_before_it_is_read_takes_how_it_ended_from_the_root_cause(
+        ws: Workspace) -> None:
+    """A launcher that reaps its failed rank at once (as torchrun may before a busy daemon
+    reads it): the first failure still says SIGKILL, from the Root Cause of that rank and pid."""
+    pidfile = ws.root / "ranks"
+    cfg = ws.config({"command": [sys.executable, str(LAUNCHER), "--pids", str(pidfile),
+                                 "--reap-at-once"]}, {"max_restarts": 0})
+    p = ws.run(cfg)
+    ranks = wait_for(lambda: len(_ranks(pidfile)) == 2 and _ranks(pidfile), timeout=30,
+                     what="the launcher's two ranks")
+    wait_for(lambda: set(ranks.values()) <= _watched_by(p.pid), timeout=30,
+             what="trainwatch watching both ranks")
+    os.kill(ranks[1], signal.SIGKILL)
+    rc, out = finish(p, timeout=60)
+    assert rc == 1, out
+    [inc] = ws.incidents()
+    ev = json.loads(inc["evidence"])
+    assert inc["kind"] == "crash" and inc["rank"] == 1, inc
+    assert ev["first_failure"] == {"rank": 1, "pid": ranks[1], "signal": "SIGKILL"}, ev
+
+
 def test_torchruns_root_cause_printed_after_the_incident_is_added_to_it(ws: Workspace) -> None:
     """Ranks without RANK (no exits to watch); the launcher prints "ChildFailedError" (the log
     rule fires) and its Root Cause only as it is stopped: the incident gets rank 1 then."""

@@ -7,7 +7,9 @@ launched it, no text needed. Second, torchrun's summary in the job's output
 end of the attempt's log when the incident is recorded and, if it was not
 printed yet (a log rule may fire on the first lines of it), once more when the
 attempt is gone; it is kept beside the first, and names the rank only where
-the exits did not.
+the exits did not. A rank's exit reaped by its launcher before we read it (the
+loop late on a busy host; torchrun reaps every 0.1 s) takes how it ended from
+the Root Cause when that names the same rank and pid.
 
 Rank processes are looked for in the job's tree every second until some are
 found (for at most a minute: torchrun's workers appear after its rendezvous),
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from trainwatch.detectors.torchrun import root_cause
 from trainwatch.evidence.logtail import read_tail
-from trainwatch.sources.rankexits import RankExits, rank_processes
+from trainwatch.sources.rankexits import RankExit, RankExits, rank_processes
 from trainwatch.types import Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
@@ -78,6 +80,21 @@ def _torchrun(log: Path) -> dict[str, object] | None:
         return None
 
 
+def _first_failure(first: RankExit, said: dict[str, object] | None) -> dict[str, object]:
+    """The first failure's evidence, how it ended from torchrun's Root Cause where
+    its status was reaped before we read it and both name the same process."""
+    out: dict[str, object] = first.evidence()
+    if first.returncode is not None or said is None or said.get("rank") != first.rank:
+        return out
+    if said.get("pid", first.pid) != first.pid:
+        return out
+    how: dict[str, object] = {k: said[k] for k in ("signal", "exit_code") if k in said}
+    if how:
+        out.pop("status", None)
+        out.update(how)
+    return out
+
+
 def explain(r: JobRunner, fault: Fault) -> Fault:
     """The fault with the rank that failed first and how, where it is known."""
     a = r.attempt
@@ -86,10 +103,10 @@ def explain(r: JobRunner, fault: Fault) -> Fault:
     w = r.first_failure
     evidence, rank = dict(fault.evidence), fault.rank
     first = w.exits.first_failure()
-    if first is not None:
-        evidence["first_failure"] = first.evidence()
-        rank = first.rank if rank is None else rank
     said = _torchrun(a.log_path)
+    if first is not None:
+        evidence["first_failure"] = _first_failure(first, said)
+        rank = first.rank if rank is None else rank
     if said is not None:
         evidence["torchrun_root_cause"] = said
         named = said.get("rank")
@@ -106,6 +123,9 @@ def after_stop(r: JobRunner, a: Attempt | None, incident: int) -> None:
         said = _torchrun(a.log_path)
         if said is not None:
             named = said.get("rank")
-            r.ledger.amend(incident, {"torchrun_root_cause": said},
-                           named if isinstance(named, int) else None)
+            late: dict[str, object] = {"torchrun_root_cause": said}
+            first = w.exits.first_failure()
+            if first is not None and first.returncode is None:
+                late["first_failure"] = _first_failure(first, said)
+            r.ledger.amend(incident, late, named if isinstance(named, int) else None)
     w.new_attempt(r.clock())
