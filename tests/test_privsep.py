@@ -8,13 +8,15 @@ import contextlib
 import dataclasses
 import os
 import pwd
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace, local_user, missing, need_root
+from conftest import Workspace, local_user, missing, need_root, pid_gone, wait_for
 from trainwatch import checkpointlist
 from trainwatch.actions import prune, pull
 from trainwatch.actions.credentials import Identity, resolve
@@ -529,3 +531,76 @@ def test_the_auto_layout_reads_a_folder_of_many_names_only_so_far(
         hand.close()
     assert 0 < len(entries) <= 1000
     assert cat.disk.names_cut == 1  # type: ignore[union-attr]
+
+
+_DAEMON = """
+import os, sys, time
+from trainwatch.actions.credentials import resolve
+from trainwatch.privsep.hand import Hand
+hand = Hand("t", resolve(sys.argv[1], None))
+print(hand.call(os.getpid, timeout=30), flush=True)
+hand.call(time.sleep, 300, timeout=600)
+"""
+
+
+def test_a_hand_in_the_middle_of_a_call_ends_with_a_killed_daemon() -> None:
+    """The daemon is SIGKILLed while its hand runs a long call (a pull, a hash): the hand
+    ends at once, never going on for hours for a daemon that is gone."""
+    _user()
+    p = subprocess.Popen([sys.executable, "-c", _DAEMON, USER], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout is not None
+        pid = int(p.stdout.readline())
+        time.sleep(0.5)  # into the long call
+        assert not pid_gone(pid)
+    finally:
+        p.kill()
+        p.wait(30)
+    wait_for(lambda: pid_gone(pid), timeout=30, what="the hand ended with its daemon")
+
+
+def test_closing_a_hand_ends_its_call_in_flight_instead_of_waiting_for_it() -> None:
+    """A long call runs in another thread (a hash, a capture): close returns at once,
+    the call raises HandDown, and the hand is gone."""
+    hand = Hand("t", None)
+    pid = hand.call(os.getpid, timeout=30)
+    raised: list[BaseException] = []
+
+    def long_call() -> None:
+        try:
+            hand.call(time.sleep, 300, timeout=600)
+        except BaseException as e:
+            raised.append(e)
+
+    t = threading.Thread(target=long_call, daemon=True)
+    t.start()
+    time.sleep(0.5)  # into the call
+    closer = threading.Thread(target=hand.close, daemon=True)
+    closer.start()
+    closer.join(30)
+    assert not closer.is_alive(), "close waited for the call"
+    t.join(30)
+    assert raised and isinstance(raised[0], HandDown), raised
+    assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_a_pull_cancelled_mid_way_ends_its_hand(open_tmp: Path) -> None:
+    """The job of a pull blocked on the remote is removed: cancel ends the pull's hand,
+    and the pull fails at once instead of going on for hours."""
+    ident = _user()
+    remote = open_tmp / "remote"
+    remote.mkdir()
+    os.mkfifo(remote / "snapshot-5.json", 0o644)  # a read that waits for a writer
+    (open_tmp / "ckpt").mkdir()
+    _give(open_tmp / "ckpt", ident)
+    p = pull.Pull(f"file://{remote}", str(open_tmp / "ckpt"), None, "test", ident, {})
+    p.start()
+    wait_for(lambda: p.hand is not None and p.hand.counts["spawns"] == 1, timeout=30,
+             what="the pull's hand")
+    time.sleep(1.0)  # blocked on the FIFO
+    assert not p.done
+    p.cancel()
+    assert p.thread is not None
+    p.thread.join(30)
+    assert p.done and p.error is not None, p.error

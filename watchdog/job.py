@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from trainwatch import adopt, anomalies, exits, logwatch, refusals, respond, stallwatch
-from trainwatch.actions import credentials, prune
+from trainwatch.actions import credentials, prune, pull
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.launch import launch
@@ -411,6 +411,7 @@ class JobRunner:
             self.logwatch.close()
         self.catalog.close()
         self.hands.close()
+        pull.cancel(self)
 
     def goodput(self, now: float) -> float | None:
         """1 - seconds lost to faults / seconds supervised; None before the first launch."""

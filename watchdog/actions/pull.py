@@ -81,6 +81,7 @@ class Pull:
     retire_error: str | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
     refused: str | None = None  # why it may not run at all (its user not resolved)
+    hand: Hand | None = field(default=None, repr=False)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="trainwatch-pull", daemon=True)
@@ -90,7 +91,8 @@ class Pull:
         if self.refused is not None:
             self.error = self.refused
             return
-        hand = Hand(f"pull of {self.root}", self.ident, env=self.env, preload=PRELOAD)
+        hand = self.hand = Hand(f"pull of {self.root}", self.ident, env=self.env,
+                                preload=PRELOAD)
         try:
             got = hand.call(pull_in_hand, self.url, self.root, self.step, self.retire,
                             timeout=PULL_TIMEOUT)
@@ -113,6 +115,12 @@ class Pull:
         retired = got.get("retired")
         self.retired = [int(x) for x in retired if isinstance(x, int)] \
             if isinstance(retired, list) else None
+
+    def cancel(self) -> None:
+        """Its job is gone (removed by a reload, the daemon stopping): the pull's
+        hand ends now rather than pull on for hours into an unwatched folder."""
+        if self.hand is not None:
+            self.hand.abort()
 
     @property
     def done(self) -> bool:
@@ -190,6 +198,13 @@ _pulls: weakref.WeakKeyDictionary[JobRunner, Pull] = weakref.WeakKeyDictionary()
 # The attempt number each job last pulled the newest snapshot for: once per
 # launch, so that a pulled snapshot judged bad is not pulled again and again.
 _tried: weakref.WeakKeyDictionary[JobRunner, int] = weakref.WeakKeyDictionary()
+
+
+def cancel(r: JobRunner) -> None:
+    """The job's runner closes: its pull, if one is under way, ends."""
+    p = _pulls.pop(r, None)
+    if p is not None:
+        p.cancel()
 
 
 def pending(r: JobRunner) -> bool:

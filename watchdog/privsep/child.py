@@ -6,7 +6,9 @@ no imports), and it leaves only through ``os._exit`` (no atexit handler, no
 flush of a buffer the parent owns). Every descriptor but its socket and stderr
 is closed first: the hand holds nothing of root's (the ledger, other jobs'
 pipes, the control socket). Each call runs under an alarm of its deadline, so a
-read that blocks ends the hand even if root is gone; root kills it first.
+read that blocks ends the hand even if root is gone; root kills it first. A
+thread of its own ends it the moment root's end of the socket closes (root
+killed or stopped mid-call).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import math
 import os
 import pickle
 import resource
+import select
 import signal
 import socket
+import threading
 from typing import Any, NoReturn
 
 from trainwatch.actions.credentials import Identity
@@ -50,6 +54,7 @@ def serve(fd: int, ident: Identity | None, env: dict[str, str],
     code = 70
     try:
         _become(fd, ident, env, preload)
+        threading.Thread(target=_watch, args=(fd,), daemon=True).start()
         _loop(socket.socket(fileno=fd))
         code = 0
     finally:
@@ -82,6 +87,18 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str],
             os._exit(71)  # never go on with root's rights in a user's folder
     os.chdir("/")
     os.umask(0o077)
+
+
+def _watch(fd: int) -> NoReturn:
+    """End the hand once root's end of its socket is closed, even in the middle of a
+    call: root is gone (killed, stopped) or done with it, and a pull of hours or a
+    hash must not go on for a daemon that no longer waits for it."""
+    p = select.poll()
+    p.register(fd, select.POLLRDHUP)
+    while True:
+        for _fd, ev in p.poll():
+            if ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                os._exit(0)
 
 
 def _rss() -> int:

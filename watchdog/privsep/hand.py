@@ -7,7 +7,8 @@ deadline (privsep/__init__.py says why).
   code; its arguments are root's own data. Replies are read as JSON, never
   unpickled (the hand is the job user's process), and are capped in bytes.
 - One call at a time per hand (a lock); a caller that must not wait for
-  another's long call (hashing) uses a hand of its own.
+  another's long call (hashing) uses a hand of its own. ``close`` (and
+  ``abort``) end a call in flight instead of waiting for it.
 - The hand is forked on first use (and again after it died). A call that
   passes its deadline gets the hand killed (SIGKILL: a read blocked on a FIFO
   or /proc/kmsg ends there) and raises ``HandTimeout``; for ``cooldown``
@@ -182,9 +183,25 @@ class Hand:
         return self.clock() < self._down_until
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
+        """No more calls; the process killed and reaped. A call in flight in another
+        thread is ended first (abort), never waited for (a hash, a capture)."""
+        self._closed = True  # read under the lock by the next call
+        if not self._lock.acquire(blocking=False):
+            self.abort()
+            self._lock.acquire()
+        try:
             self._kill()
+        finally:
+            self._lock.release()
+
+    def abort(self) -> None:
+        """End a call in flight in another thread, without its lock: root's end of the
+        socket is shut, the hand exits (child.py watches for it) and the call raises
+        HandDown."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def rebind(self, ident: Identity | None) -> None:
         """The job's user changed (a reload): from the next call on, a new hand as
