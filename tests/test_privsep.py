@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 from conftest import Workspace, local_user, missing, need_root, pid_gone, wait_for
 from trainwatch import checkpointlist
-from trainwatch.actions import prune, pull
+from trainwatch.actions import prune, pull, ringfolder
 from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints, Job, from_mapping
 from trainwatch.evidence import flightrecorder
@@ -604,3 +605,48 @@ def test_a_pull_cancelled_mid_way_ends_its_hand(open_tmp: Path) -> None:
     assert p.thread is not None
     p.thread.join(30)
     assert p.done and p.error is not None, p.error
+
+
+class _Job:
+    name = "j"
+
+
+class _Rings:
+    """What ringfolder.remove reads of a job's runner."""
+
+    def __init__(self, hand: Hand) -> None:
+        self.job, self.hands = _Job(), jobhands.JobHands(hand, hand, hand)
+
+
+def test_an_ended_attempts_ring_folder_is_emptied_as_the_jobs_user(open_tmp: Path) -> None:
+    """The ring folder of an ended attempt is emptied in the job's hand (20,000 planted
+    names and a link to root's file go; a folder of root's inside stays, and the ring
+    folder with it), never removed whole with root's rights."""
+    ident = _user()
+    rings = open_tmp / "j.attempt-0.rings"
+    rings.mkdir()
+    for i in range(20_000):
+        (rings / f"rank-{i}-1").touch()
+    roots = open_tmp / "roots"
+    roots.write_text("root's")
+    (rings / "link").symlink_to(roots)
+    _give(rings, ident)
+    (rings / "theirs").mkdir()  # root's, inside: not the job's user's to empty
+    (rings / "theirs" / "f").write_text("x")
+    hand = Hand("t", ident)
+    try:
+        t = ringfolder.remove(_Rings(hand), str(rings))  # type: ignore[arg-type]
+        t.join(120)
+        assert not t.is_alive()
+    finally:
+        hand.close()
+    assert sorted(os.listdir(rings)) == ["theirs"]
+    assert (rings / "theirs" / "f").exists() and roots.read_text() == "root's"
+    hand2 = Hand("t", ident)
+    try:
+        shutil.rmtree(rings / "theirs")
+        t = ringfolder.remove(_Rings(hand2), str(rings))  # type: ignore[arg-type]
+        t.join(120)
+    finally:
+        hand2.close()
+    assert not rings.exists()  # emptied, then removed by root from its own folder

@@ -296,7 +296,7 @@ class Attempt:
 
     def close(self) -> None:
         """After the tree is gone: the last output through, the keeper reaped, the
-        cgroup removed."""
+        cgroup removed (the ring folder is the caller's to remove: ringfolder.py)."""
         if self.closed:
             return
         if self.follower is not None:
@@ -310,8 +310,7 @@ class Attempt:
         if self._watcher is not None:
             _stand_down(*self._watcher)
             self._watcher = None
-        if self.ring_dir is not None:
-            shutil.rmtree(self.ring_dir, ignore_errors=True)  # its processes are gone
+        # The ring folder is removed by the caller, as the job's user (ringfolder.py).
 
     def release(self) -> None:
         """Leave the attempt running without us (the daemon stops; the next adopts it)."""

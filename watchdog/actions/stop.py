@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainwatch import firstfailure
-from trainwatch.actions import evidence, verify
+from trainwatch.actions import evidence, ringfolder, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.evidence.capture import Capture
 from trainwatch.types import JobState
@@ -75,6 +75,8 @@ def advance(r: JobRunner, now: float) -> None:
             r.sel.unregister(a.pidfd)
         a.close()
     r.intake.end_attempt()
+    if a is not None and a.ring_dir is not None:
+        ringfolder.remove(r, a.ring_dir)  # as the job's user, off the loop
     r.stopping = None
     if s.outcome is JobState.BACKOFF:
         r.relaunch_at = now + s.delay
