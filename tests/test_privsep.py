@@ -650,3 +650,27 @@ def test_an_ended_attempts_ring_folder_is_emptied_as_the_jobs_user(open_tmp: Pat
     finally:
         hand2.close()
     assert not rings.exists()  # emptied, then removed by root from its own folder
+
+
+_LOGGING_DAEMON = """
+import logging, sys
+from trainwatch.cli import _setup_logging
+from trainwatch.privsep.hand import Hand
+from trainwatch.actions.passthrough import flush_all
+_setup_logging()
+logging.getLogger("trainwatch").warning("root's own line")  # its writer thread runs
+hand = Hand("t", None)
+hand.call(logging.getLogger("trainwatch").warning, "a line from the hand", timeout=30)
+hand.close()
+flush_all(10)
+"""
+
+
+def test_a_line_the_hand_logs_reaches_the_daemons_stderr() -> None:
+    """The daemon logs through a writer thread: a line logged in its hand (a forked
+    process without that thread) still reaches stderr, never queued forever."""
+    p = subprocess.run([sys.executable, "-c", _LOGGING_DAEMON], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert p.returncode == 0, p.stderr
+    assert "root's own line" in p.stderr
+    assert "a line from the hand" in p.stderr, p.stderr

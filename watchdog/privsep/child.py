@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import math
 import os
 import pickle
@@ -72,6 +73,10 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str],
     os.close(null)
     os.closerange(3, fd)
     os.closerange(fd + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    # Root's log handler writes through a thread that is not in this process (its
+    # lines would queue forever) or to a descriptor just closed, whose number a
+    # file or socket of a call may take: the hand's lines go to stderr, plainly.
+    logging.getLogger().handlers[:] = [_Stderr()]
     # Imported as we are, in the job's environment (what the modules read of it at
     # import), before the drop: the job's user may not read our code.
     os.environ.clear()
@@ -87,6 +92,19 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str],
             os._exit(71)  # never go on with root's rights in a user's folder
     os.chdir("/")
     os.umask(0o077)
+
+
+class _Stderr(logging.Handler):
+    """A line per record on fd 2 (root's stderr: the journal, the terminal), with
+    no lock or buffer of root's (a thread of root's may have held one at the fork)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("trainwatch: %(message)s (in a job's hand)"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):  # a log line never fails a call
+            os.write(2, (self.format(record) + "\n").encode(errors="replace"))
 
 
 def _watch(fd: int) -> NoReturn:
