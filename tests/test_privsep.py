@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import pwd
 import shutil
@@ -674,3 +675,34 @@ def test_a_line_the_hand_logs_reaches_the_daemons_stderr() -> None:
     assert p.returncode == 0, p.stderr
     assert "root's own line" in p.stderr
     assert "a line from the hand" in p.stderr, p.stderr
+
+
+class _Finalized:
+    """Garbage of root's in a cycle, whose finalizer says which process ran it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.me = path, self
+
+    def __del__(self) -> None:
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def test_roots_garbage_is_never_finalized_in_a_hand(open_tmp: Path) -> None:
+    """A cycle of root's garbage not yet collected at the fork: the hand's collections
+    never run its finalizer (one closing a socket would close a descriptor number of
+    the hand's own); root's own collection does, once."""
+    said = open_tmp / "finalized"
+    gc.disable()
+    try:
+        _Finalized(said)  # unreachable from here on, left to the cycle collector
+        hand = Hand("t", None)
+        try:
+            pid = hand.call(os.getpid, timeout=30)
+            hand.call(gc.collect, timeout=30)
+        finally:
+            hand.close()
+    finally:
+        gc.enable()
+    gc.collect()
+    assert said.read_text().split() == [str(os.getpid())], (pid, said.read_text())

@@ -14,6 +14,7 @@ killed or stopped mid-call).
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import logging
@@ -52,6 +53,10 @@ kept: dict[str, Any] = {}
 
 def serve(fd: int, ident: Identity | None, env: dict[str, str],
           preload: tuple[str, ...] = ()) -> NoReturn:
+    # Root's objects are never collected here: a finalizer of root's garbage (a
+    # socket's, a database connection's) would close or write to a descriptor
+    # number that is this process's own by then.
+    gc.freeze()
     code = 70
     try:
         _become(fd, ident, env, preload)
