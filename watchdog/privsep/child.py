@@ -57,6 +57,7 @@ def serve(fd: int, ident: Identity | None, env: dict[str, str],
     # socket's, a database connection's) would close or write to a descriptor
     # number that is this process's own by then.
     gc.freeze()
+    gc.enable()  # the fork disabled it until now (hand.py): the hand's own are collected
     code = 70
     try:
         _become(fd, ident, env, preload)

@@ -25,6 +25,7 @@ deadline (privsep/__init__.py says why).
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -241,9 +242,15 @@ class Hand:
         from trainwatch.privsep import child
 
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = os.fork()
-        if pid == 0:  # the hand: never returns
-            child.serve(theirs.fileno(), self.ident, self.env, self.preload)
+        collecting = gc.isenabled()
+        gc.disable()  # no collection in the child before it freezes root's objects
+        try:
+            pid = os.fork()
+            if pid == 0:  # the hand: never returns
+                child.serve(theirs.fileno(), self.ident, self.env, self.preload)
+        finally:
+            if collecting:
+                gc.enable()
         theirs.close()
         self._pid, self._sock = pid, ours
         self.counts["spawns"] += 1
