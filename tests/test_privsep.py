@@ -706,3 +706,34 @@ def test_roots_garbage_is_never_finalized_in_a_hand(open_tmp: Path) -> None:
         gc.enable()
     gc.collect()
     assert said.read_text().split() == [str(os.getpid())], (pid, said.read_text())
+
+
+def test_a_catalog_whose_hand_stays_down_keeps_one_change_per_step_and_catches_up(
+        open_tmp: Path) -> None:
+    """Reports of the same few steps while the hand gives no answer: what waits for it is
+    at most a drop, an add and a rejudge per step (not one per report), and once it
+    answers the catalog holds what a fresh one holds."""
+    ckpt = open_tmp / "ckpt"
+    ckpt.mkdir()
+    for s in (1, 2, 3):
+        (ckpt / f"step_{s}").write_bytes(b"w")
+    hand = Hand("t", None)
+    try:
+        spec = dataclasses.replace(Checkpoints(dir=str(ckpt)), quiet_for=None)
+        cat = Catalog(spec, open_tmp / "c.json", hand=hand)
+        hand.refuse("down for the test")
+        cat.mark_bad(2, "changed since its manifest")
+        for _ in range(300):
+            for s in (1, 2, 3):
+                cat.report(s, str(ckpt / f"step_{s}"))
+            cat.disk.rejudge(2)
+            cat.entries()  # a refresh that gets no answer
+        waiting = [op for ops in cat.disk._changes.values() for op in ops]  # type: ignore[union-attr]
+        assert len(waiting) <= 4, waiting
+        hand.rebind(None)
+        got = [(e.step, e.good, e.bad) for e in cat.entries()]
+        cat.flush(force=True)
+    finally:
+        hand.close()
+    fresh = Catalog(spec, open_tmp / "c.json")
+    assert got == [(e.step, e.good, e.bad) for e in fresh.entries()] and len(got) == 3

@@ -115,7 +115,9 @@ class HandDisk:
         self.names_cut = 0  # listings that read only the first ondisk.MAX_NAMES names
         self.truncated = 0  # listings that kept only the newest MAX_CHECKPOINTS
         self.why_unanswered: str | None = None
-        self._changes: list[tuple[str, int, str | None]] = []
+        # Root's changes not yet applied in the hand, by step, at most a drop, an add
+        # and a rejudge each (a hand that stays down must not grow this by a report).
+        self._changes: dict[int, list[tuple[str, int, str | None]]] = {}
         self._shipped: bytes | None = None
         self._truncated_said = False
 
@@ -125,18 +127,22 @@ class HandDisk:
                 bisect.insort(self.steps, step)
             self.paths[step] = path
             self.verdicts.pop(step, None)
-        self._changes.append(("add", step, path))
+        ops = self._changes.get(step, [])
+        self._changes[step] = ([o for o in ops if o[0] == "drop"] + [("add", step, path)]
+                               + [o for o in ops if o[0] == "rejudge"])
 
     def drop(self, step: int) -> None:
         if self.paths.pop(step, None) is not None:
             self.steps.remove(step)
         self.verdicts.pop(step, None)
         self.mtimes.pop(step, None)
-        self._changes.append(("drop", step, None))
+        self._changes[step] = [("drop", step, None)]  # whatever came before is moot
 
     def rejudge(self, step: int) -> None:
         self.verdicts.pop(step, None)
-        self._changes.append(("rejudge", step, None))
+        ops = self._changes.setdefault(step, [])
+        if ("rejudge", step, None) not in ops:
+            ops.append(("rejudge", step, None))
 
     def mtime(self, step: int) -> float | None:
         return self.mtimes.get(step)
@@ -146,11 +152,12 @@ class HandDisk:
         ship = layout if layout != self._shipped else None
         t0 = time.monotonic()
         root = str(self.root) if self.root else None
+        changes = [op for ops in self._changes.values() for op in ops]
         try:
-            reply = self.hand.call(refresh_in_hand, self.key, ship, root, self._changes, force,
+            reply = self.hand.call(refresh_in_hand, self.key, ship, root, changes, force,
                                    timeout=self.timeout)
             if isinstance(reply, dict) and reply.get("need_layout"):
-                reply = self.hand.call(refresh_in_hand, self.key, layout, root, self._changes,
+                reply = self.hand.call(refresh_in_hand, self.key, layout, root, changes,
                                        True, timeout=max(0.1, self.timeout
                                                          - (time.monotonic() - t0)))
             if not isinstance(reply, dict):
@@ -168,7 +175,7 @@ class HandDisk:
             log.info("%s: checkpoints in %s judged again", self.key, self.root)
             self.why_unanswered = None
         self._shipped = layout
-        self._changes = []
+        self._changes = {}
         return self._apply(reply)
 
     def _apply(self, reply: dict[str, Any]) -> set[int]:
