@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from trainwatch import adopt, anomalies, exits, logwatch, refusals, respond, stallwatch
-from trainwatch.actions import credentials, prune, pull, ringfolder
+from trainwatch.actions import background, credentials, prune, pull
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.launch import launch
@@ -410,7 +410,7 @@ class JobRunner:
         if self.logwatch is not None:
             self.logwatch.close()
         self.catalog.close()
-        ringfolder.wait(self)  # the last attempt's ring folder, emptied as its user
+        background.wait(self)  # what it left to threads (its last ring folder, removals)
         self.hands.close()
         pull.cancel(self)
 

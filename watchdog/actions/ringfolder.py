@@ -15,10 +15,9 @@ import logging
 import os
 import shutil
 import threading
-import time
-import weakref
 from typing import TYPE_CHECKING
 
+from trainwatch.actions import background
 from trainwatch.privsep.hand import Hand, HandError
 
 if TYPE_CHECKING:
@@ -27,11 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 EMPTY_TIMEOUT = 300.0  # the hand's deadline for emptying one folder
-CLOSE_WAIT = 10.0  # a runner closing (trainwatch run's end) waits this long for them
-
-# The removals under way, by job (a weak map: no field on JobRunner for it).
-_pending: weakref.WeakKeyDictionary[JobRunner, list[threading.Thread]] = (
-    weakref.WeakKeyDictionary())
 _BATCH = 4096  # names read per pass (the folder is read again until empty)
 
 
@@ -75,17 +69,5 @@ def _remove(hand: Hand, path: str, job: str) -> None:
 
 def remove(r: JobRunner, path: str) -> threading.Thread:
     """Remove the ring folder ``path`` of ``r``'s ended attempt, in the background."""
-    t = threading.Thread(target=_remove, args=(r.hands.bulk, path, r.job.name),
-                         name="trainwatch-rings", daemon=True)
-    t.start()
-    running = [x for x in _pending.get(r, []) if x.is_alive()]
-    _pending[r] = [*running, t]
-    return t
-
-
-def wait(r: JobRunner, timeout: float = CLOSE_WAIT) -> None:
-    """Before its hands close (the job's runner closing): the removals under way
-    finish, for at most ``timeout`` in all (then they are aborted with the hands)."""
-    end = time.monotonic() + timeout
-    for t in _pending.pop(r, []):
-        t.join(max(0.0, end - time.monotonic()))
+    hand, job = r.hands.bulk, r.job.name
+    return background.start(r, lambda: _remove(hand, path, job), "trainwatch-rings")
