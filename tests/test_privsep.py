@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import Workspace, local_user, missing, need_root, pid_gone, wait_for
 from trainwatch import checkpointlist
-from trainwatch.actions import prune, pull, ringfolder
+from trainwatch.actions import background, prune, pull, ringfolder
 from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints, Job, from_mapping
 from trainwatch.evidence import flightrecorder
@@ -29,7 +29,7 @@ from trainwatch.layouts import megatron
 from trainwatch.privsep import jobhands
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
-from trainwatch.state import ondisk
+from trainwatch.state import ondisk, retention
 from trainwatch.state.catalog import Catalog
 from trainwatch.state.manifest import Store
 from trainwatch.state.verifier import Verifier
@@ -436,7 +436,7 @@ def test_a_reload_that_gives_a_root_job_a_user_moves_its_hands_to_that_user(
         doc["jobs"][0]["user"] = USER
         new = from_mapping(doc)
         r.reconfigure(new, new.jobs[0])
-        for h in (r.hands.quick, r.hands.bulk, r.hands.evidence):
+        for h in r.hands.all():
             assert h.call(os.getuid, timeout=30) == ident.uid
     finally:
         sup.close()
@@ -616,7 +616,7 @@ class _Rings:
     """What ringfolder.remove reads of a job's runner."""
 
     def __init__(self, hand: Hand) -> None:
-        self.job, self.hands = _Job(), jobhands.JobHands(hand, hand, hand)
+        self.job, self.hands = _Job(), jobhands.JobHands(hand, hand, hand, hand)
 
 
 def test_an_ended_attempts_ring_folder_is_emptied_as_the_jobs_user(open_tmp: Path) -> None:
@@ -737,3 +737,46 @@ def test_a_catalog_whose_hand_stays_down_keeps_one_change_per_step_and_catches_u
         hand.close()
     fresh = Catalog(spec, open_tmp / "c.json")
     assert got == [(e.step, e.good, e.bad) for e in fresh.entries()] and len(got) == 3
+
+
+def _slow_removal(grave: str, shown: str | None = None) -> str | None:
+    time.sleep(300)  # a folder of a million files on a network file system
+    return None
+
+
+def test_retention_waits_only_for_a_rename_and_removes_the_folder_in_the_background(
+        ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention deletes a checkpoint folder whose removal takes minutes: the loop's
+    pass returns once it is renamed to its tombstone (gone under its name, forgotten,
+    recorded), the removal goes on in a thread, and the next pass waits for it."""
+    ckpt = ws.root / "ckpt"
+    for s in (1, 2):
+        (ckpt / f"step_{s}").mkdir(parents=True)
+        (ckpt / f"step_{s}" / "w").write_bytes(b"w")
+    doc: dict[str, Any] = {
+        "state_dir": str(ws.state), "run_dir": str(ws.root / "run"), "metrics": {"port": 0},
+        "gpu": {"backend": "off"},
+        "jobs": [{"name": "j", "command": ["/bin/true"],
+                  "checkpoints": {"dir": str(ckpt), "keep": {"last": 1}}}]}
+    monkeypatch.setattr(retention, "remove_grave", _slow_removal)  # inherited by the hand
+    monkeypatch.setattr(background, "CLOSE_WAIT", 0.5)
+    sup = Supervisor(from_mapping(doc))
+    try:
+        r = sup.runners[0]
+        for s in (1, 2):
+            assert r.catalog.report(s, str(ckpt / f"step_{s}"))
+        r.checkpoints = r.catalog.summary()
+        t0 = time.monotonic()
+        prune.after_refresh(r)
+        assert time.monotonic() - t0 < 20  # not the removal's 300 s (nor a 30 s deadline)
+        assert sorted(os.listdir(ckpt)) == [".step_1.trainwatch-deleting", "step_2"]
+        assert [e.step for e in r.catalog.known()] == [2]
+        assert background.busy(r, "trainwatch-retention")
+        (ckpt / "step_3").mkdir()
+        (ckpt / "step_3" / "w").write_bytes(b"w")
+        assert r.catalog.report(3, str(ckpt / "step_3"))
+        r.checkpoints = r.catalog.summary()
+        prune.after_refresh(r)  # waits for the last pass's removal: step_2 stays
+        assert (ckpt / "step_2").exists()
+    finally:
+        sup.close()

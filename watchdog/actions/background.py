@@ -34,9 +34,9 @@ def busy(r: JobRunner, name: str) -> bool:
     return any(t.is_alive() and t.name == name for t in _pending.get(r, []))
 
 
-def wait(r: JobRunner, timeout: float = CLOSE_WAIT) -> None:
+def wait(r: JobRunner, timeout: float | None = None) -> None:
     """Before the runner's hands close: its work finishes, within ``timeout`` in
-    all (what is left is then ended with the hands)."""
-    end = time.monotonic() + timeout
+    all (``CLOSE_WAIT``; what is left is then ended with the hands)."""
+    end = time.monotonic() + (CLOSE_WAIT if timeout is None else timeout)
     for t in _pending.pop(r, []):
         t.join(max(0.0, end - time.monotonic()))

@@ -9,7 +9,13 @@ auto): with no rule in the job's config,
 the newest good snapshot's ``keep`` (the Snapshotter's, which never deletes
 under trainwatch: only the daemon knows the last good one) is the rule, as
 ``keep.last``; after deleting snapshot folders the content store's chunks that
-no folder links any more are collected (trainwatch.snapshot.blobs)."""
+no folder links any more are collected (trainwatch.snapshot.blobs).
+
+The loop waits only for the quick part of a deletion (a file's unlink, a
+folder renamed to its tombstone: the checkpoint is gone under its name at
+once); removing the tombstone (many files, a network file system) and the GC
+run in the job's removal hand from a thread (background.py), and the next pass
+waits until they are done, so that it sees the space they freed."""
 
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from trainwatch.privsep.hand import HandError
+from trainwatch.actions import background
+from trainwatch.privsep.hand import Hand, HandError
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot import format as snapshot_format
 from trainwatch.state import retention
@@ -33,9 +40,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 # Retention's work in the job's folder is done in its hand, as its user (privsep):
-# a deletion or a collection that takes longer than this is given up (and the
-# loop goes on), the next refresh tries again.
+# what the loop waits for (sizes, a file's unlink, a folder renamed to its
+# tombstone) is given up after this, and the next refresh tries again.
 HAND_TIMEOUT = 30.0
+# What takes the time (a folder of many files removed, on a network file system,
+# and the store's GC) runs in the job's removal hand from a thread, given this long.
+CLEAR_TIMEOUT = 3600.0
+_CLEARING = "trainwatch-retention"
 
 
 def _in_hand(r: JobRunner, fn: Callable[[str], int | None], path: str) -> int | None:
@@ -130,20 +141,25 @@ def after_refresh(r: JobRunner) -> None:
     step = good.step if good is not None else None
     if step == r.catalog.pruned_at and not low:
         return
+    if background.busy(r, _CLEARING):
+        return  # the last pass's folders are still being removed: the space too
     r.catalog.pruned_at = step
     p = plan(r, listed=False)
     snapshots = 0
+    graves: list[str] = []
     refused = _refused.setdefault(r.job.name, set())
     for c in p.delete:
         if (c.step, c.path) in refused:
             continue  # said once, in the ledger and the log; retried only if it changes
         try:
-            why = r.hands.quick.call(retention.delete, c, root=root, timeout=HAND_TIMEOUT)
+            why = r.hands.quick.call(retention.delete, c, root=root, bury_only=True,
+                                     timeout=HAND_TIMEOUT)
         except HandError as e:
             why = f"{c.path}: no answer as the job's user: {e}"
         r.ledger.deletion(r.job.name, max(r.number, 0), c.step, c.path, c.size or None, why)
         r.events.deletions.labels(r.job.name, "deleted" if why is None else "failed").inc()
         if why is None:
+            graves.append(retention.grave_of(c.path))  # none for a file: nothing to do
             r.catalog.forget(c.step)
             snapshots += snapshot_format.step_of(c.path) == c.step
             log.info("job %s: retention deleted checkpoint step %d (%s)", r.job.name, c.step,
@@ -154,20 +170,37 @@ def after_refresh(r: JobRunner) -> None:
                 refused.pop()
             log.warning("job %s: retention could not delete checkpoint step %d: %s (not "
                         "tried again while it stays)", r.job.name, c.step, why)
-    if snapshots:
-        _collect(r, root)
+    if graves:
+        hand, name = r.hands.removal, r.job.name
+        background.start(r, lambda: _clear(hand, name, root, graves, snapshots > 0),
+                         _CLEARING)
 
 
-def _collect(r: JobRunner, root: str) -> None:
+def _clear(hand: Hand, job: str, root: str, graves: list[str], collect: bool) -> None:
+    """In a thread: the deleted folders' tombstones removed, then the store's GC."""
+    for g in graves:
+        try:
+            why = hand.call(retention.remove_grave, g, timeout=CLEAR_TIMEOUT)
+        except HandError as e:
+            why = f"{g}: no answer as the job's user: {e}"
+        if why is not None:
+            log.warning("job %s: retention: %s", job, str(why)[:1000])
+    if collect:
+        _collect(hand, job, root)
+
+
+def _collect(hand: Hand, job: str, root: str) -> None:
     """The store's chunks that no snapshot (or live save) links any more."""
     try:
-        got = r.hands.quick.call(collect_in_hand, root, timeout=HAND_TIMEOUT)
+        got = hand.call(collect_in_hand, root, timeout=CLEAR_TIMEOUT)
     except HandError as e:  # survived: the next deletion collects again
         log.warning("job %s: collecting unreferenced snapshot chunks in %s failed: %s",
-                    r.job.name, root, e)
+                    job, root, e)
         return
     if not isinstance(got, dict):
         return  # no store there (or not a folder of its own: a link is never followed)
-    if got.get("blobs") or got.get("folders"):
+    n = {k: v if isinstance(v, int) else 0 for k, v in got.items()}
+    if n.get("blobs") or n.get("folders"):
         log.info("job %s: collected %d unreferenced snapshot chunks (%d bytes) and %d "
-                 "leftover folders", r.job.name, got["blobs"], got["bytes"], got["folders"])
+                 "leftover folders", job, n.get("blobs", 0), n.get("bytes", 0),
+                 n.get("folders", 0))

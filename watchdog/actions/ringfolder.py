@@ -69,5 +69,5 @@ def _remove(hand: Hand, path: str, job: str) -> None:
 
 def remove(r: JobRunner, path: str) -> threading.Thread:
     """Remove the ring folder ``path`` of ``r``'s ended attempt, in the background."""
-    hand, job = r.hands.bulk, r.job.name
+    hand, job = r.hands.removal, r.job.name
     return background.start(r, lambda: _remove(hand, path, job), "trainwatch-rings")

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, Metric
+from trainwatch.privsep import jobhands
 
 if TYPE_CHECKING:
     from trainwatch.job import JobRunner
@@ -29,7 +30,7 @@ def families(runners: list[JobRunner]) -> Iterator[Metric]:
         labels=["job", "limit"])
     for r in runners:
         name = r.job.name
-        for which in ("quick", "bulk", "evidence"):
+        for which in jobhands.NAMES:
             c = getattr(r.hands, which).counts
             bad = sum(c[k] for k in _OUTCOMES if k != "down")
             calls.add_metric([name, which, "ok"], max(0, c["calls"] - bad))

@@ -198,10 +198,12 @@ def plan(cands: Sequence[Candidate], keep: Keep, *, resumed_from: int | None,
 TOMBSTONE = ".{}.trainwatch-deleting"
 
 
-def delete(c: Candidate, *, root: str) -> str | None:
+def delete(c: Candidate, *, root: str, bury_only: bool = False) -> str | None:
     """Delete one checkpoint (a file, or a folder tree) directly under
     ``root``. None when done; otherwise why not (a path elsewhere, a symlink,
-    an OSError's text). Symlinks are never followed, here or inside a tree."""
+    an OSError's text). Symlinks are never followed, here or inside a tree.
+    ``bury_only``: a folder is only renamed to its tombstone (``grave_of``), at
+    once; ``remove_grave`` removes it, however long that takes."""
     if ".." in c.path.split(os.sep):
         return f"{c.path}: refused: a path with '..' in it"
     top = os.path.normpath(os.path.abspath(root))
@@ -221,15 +223,27 @@ def delete(c: Candidate, *, root: str) -> str | None:
         except OSError as e:
             return f"{c.path}: {e.strerror or e}"
         return None
-    grave = os.path.join(top, TOMBSTONE.format(name))
+    grave = grave_of(path)
     try:
         os.rename(path, grave)  # atomic; refuses a mount point (EBUSY)
     except OSError as e:
         return f"{c.path}: {e.strerror or e}"
+    return None if bury_only else remove_grave(grave, c.path)
+
+
+def grave_of(path: str) -> str:
+    """Where ``delete`` renames the folder ``path`` before removing it."""
+    path = os.path.normpath(os.path.abspath(path))
+    return os.path.join(os.path.dirname(path), TOMBSTONE.format(os.path.basename(path)))
+
+
+def remove_grave(grave: str, shown: str | None = None) -> str | None:
+    """Remove a tombstone folder (``delete``'s); None when done or absent."""
     failed: list[str] = []
 
     def note(_fn: object, where: str, exc: BaseException) -> None:
-        failed.append(f"{where}: {getattr(exc, 'strerror', None) or exc}")
+        if not isinstance(exc, FileNotFoundError) or where != grave:
+            failed.append(f"{where}: {getattr(exc, 'strerror', None) or exc}")
 
     # rmtree works through descriptors here: a symlink inside is removed, never followed.
     if sys.version_info >= (3, 12):
@@ -237,7 +251,7 @@ def delete(c: Candidate, *, root: str) -> str | None:
     else:
         shutil.rmtree(grave, onerror=lambda fn, where, info: note(fn, where, info[1]))
     if failed:
-        return f"{c.path}: moved to {grave}, but removing it failed: {failed[0]}"
+        return f"{shown or grave}: moved to {grave}, but removing it failed: {failed[0]}"
     return None
 
 
