@@ -780,3 +780,20 @@ def test_retention_waits_only_for_a_rename_and_removes_the_folder_in_the_backgro
         assert (ckpt / "step_2").exists()
     finally:
         sup.close()
+
+
+def test_a_dump_reply_that_reuses_its_data_is_written_within_roots_own_bound(
+        open_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand's reply is the job user's: eight dumps that all point at the same
+    512 KiB of data are written only up to root's per-incident bound, each byte of
+    data once, whatever the reply claims."""
+    monkeypatch.setattr(flightrecorder, "MAX_TOTAL", 1 << 20)
+    blob = os.urandom(512 << 10)
+    got = {"files": [{"name": f"nccl_trace_rank_{i}", "size": 1 << 20,
+                      "segments": [[0, len(blob), 0], [len(blob), len(blob), 0]]}
+                     for i in range(8)]}
+    dest = open_tmp / "flight-recorder"
+    copied, errors = flightrecorder.write(dest, got, [blob])
+    data = sum(p.stat().st_blocks * 512 for p in dest.iterdir())
+    assert data <= (1 << 20) + (64 << 10), data
+    assert len(copied) <= 1 and errors and sorted(os.listdir(dest)) == sorted(copied)

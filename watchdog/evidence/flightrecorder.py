@@ -261,8 +261,12 @@ def write(dest: Path, got: Any, blobs: list[bytes]) -> tuple[list[str], list[str
     the hand sent is the job user's: names, sizes and segments are checked."""
     copied: list[str] = []
     errors: list[str] = []
+    # Root's own bound on what it writes (the hand's may not have held): each
+    # blob once, MAX_TOTAL bytes of data in all, MAX_FILES files.
+    used: set[int] = set()
+    written = 0
     files = got.get("files") if isinstance(got, dict) else None
-    for f in files if isinstance(files, list) else []:
+    for f in files[:MAX_FILES] if isinstance(files, list) else []:
         name, size, segs = (f.get(k) for k in ("name", "size", "segments")) \
             if isinstance(f, dict) else (None, None, None)
         if not (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
@@ -277,8 +281,12 @@ def write(dest: Path, got: Any, blobs: list[bytes]) -> tuple[list[str], list[str
             try:
                 for off, n, i in segs:
                     if not (off >= 0 and off + n <= size and 0 <= i < len(blobs)
-                            and len(blobs[i]) == n):
+                            and len(blobs[i]) == n and i not in used):
                         raise ValueError("a segment outside the file")
+                    if written + n > MAX_TOTAL:
+                        raise ValueError(f"past the {MAX_TOTAL} bytes copied per incident")
+                    used.add(i)
+                    written += n
                     os.pwrite(fd, blobs[i], off)
                 os.ftruncate(fd, size)
             finally:
@@ -286,4 +294,6 @@ def write(dest: Path, got: Any, blobs: list[bytes]) -> tuple[list[str], list[str
             copied.append(name)
         except (OSError, ValueError, TypeError) as e:
             errors.append(f"{name}: {getattr(e, 'strerror', None) or e}")
+            with contextlib.suppress(OSError):
+                os.unlink(dest / name)  # not half a dump
     return copied, errors
