@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Workspace, local_user, missing, need_root, pid_gone, wait_for
+from conftest import (
+    Workspace,
+    finish,
+    local_user,
+    missing,
+    need_root,
+    pid_gone,
+    wait_for,
+)
 from trainwatch import checkpointlist
 from trainwatch.actions import background, prune, pull, ringfolder
 from trainwatch.actions.credentials import Identity, resolve
@@ -797,3 +805,15 @@ def test_a_dump_reply_that_reuses_its_data_is_written_within_roots_own_bound(
     data = sum(p.stat().st_blocks * 512 for p in dest.iterdir())
     assert data <= (1 << 20) + (64 << 10), data
     assert len(copied) <= 1 and errors and sorted(os.listdir(dest)) == sorted(copied)
+
+
+def test_an_ended_attempts_flight_recorder_folder_goes_with_it(ws: Workspace) -> None:
+    """With the flight recorder on, each attempt's dump folder in run_dir (the job's
+    user's, on a tmpfs) is emptied and removed when the attempt ends, as its ring
+    folder is, rather than left behind, one per attempt."""
+    cfg = ws.config({"command": ["/bin/sh", "-c", 'echo dump > "$TORCH_FR_DUMP_TEMP_FILE"0'],
+                     "evidence": {"flight_recorder": True}})
+    code, out = finish(ws.run(cfg))
+    assert code == 0, out
+    left = sorted(os.listdir(ws.root / "run" / "jobs"))
+    assert not [n for n in left if n.endswith((".fr", ".rings"))], left

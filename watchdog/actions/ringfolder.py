@@ -1,4 +1,5 @@
-"""An ended attempt's ring folder (``run_dir/jobs/<job>.attempt-N.rings``) removed.
+"""An ended attempt's ring folder (``run_dir/jobs/<job>.attempt-N.rings``) removed,
+and its flight recorder's (``.fr``, whose dumps its incidents have copied).
 
 The folder is the job's user's: its ranks write their rings there, and may fill
 it with anything (600,000 planted names took 5 s to remove, as root, in the
@@ -32,7 +33,10 @@ _BATCH = 4096  # names read per pass (the folder is read again until empty)
 def empty_in_hand(path: str) -> int:
     """In the hand: remove everything in ``path`` (a link is removed, never
     followed); how many entries. Stops when a pass removes nothing."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return 0
     removed = 0
     try:
         while True:
@@ -68,6 +72,6 @@ def _remove(hand: Hand, path: str, job: str) -> None:
 
 
 def remove(r: JobRunner, path: str) -> threading.Thread:
-    """Remove the ring folder ``path`` of ``r``'s ended attempt, in the background."""
+    """Remove the folder ``path`` of ``r``'s ended attempt, in the background."""
     hand, job = r.hands.removal, r.job.name
     return background.start(r, lambda: _remove(hand, path, job), "trainwatch-rings")

@@ -77,6 +77,8 @@ def advance(r: JobRunner, now: float) -> None:
     r.intake.end_attempt()
     if a is not None and a.ring_dir is not None:
         ringfolder.remove(r, a.ring_dir)  # as the job's user, off the loop
+    if a is not None and r.job.evidence.flight_recorder:
+        ringfolder.remove(r, str(evidence.fr_dir(r, a.number)))  # copied by its incidents
     r.stopping = None
     if s.outcome is JobState.BACKOFF:
         r.relaunch_at = now + s.delay
