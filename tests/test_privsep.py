@@ -5,6 +5,7 @@ job's hand, a process as the job's user, bounded in time, bytes and entries
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import os
@@ -817,3 +818,20 @@ def test_an_ended_attempts_flight_recorder_folder_goes_with_it(ws: Workspace) ->
     assert code == 0, out
     left = sorted(os.listdir(ws.root / "run" / "jobs"))
     assert not [n for n in left if n.endswith((".fr", ".rings"))], left
+
+
+def _dumpable() -> int:
+    return int(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))  # PR_GET_DUMPABLE
+
+
+def test_a_hand_is_never_dumpable(open_tmp: Path) -> None:
+    """Whatever fs.suid_dumpable says (1 keeps a process that changed its uid dumpable):
+    the hand is not, so the job's user can neither ptrace it nor read its
+    /proc/<pid>/environ (root's environment at exec) or /proc/<pid>/mem."""
+    ident = _user()
+    for who in (ident, None):
+        hand = Hand("t", who)
+        try:
+            assert hand.call(_dumpable, timeout=30) == 0, who
+        finally:
+            hand.close()

@@ -14,6 +14,7 @@ killed or stopped mid-call).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import importlib
 import json
@@ -26,6 +27,7 @@ import select
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from trainwatch.actions.credentials import Identity
@@ -45,6 +47,12 @@ _ALWAYS = ("importlib.readers", "importlib.resources", "encodings.idna", "zipfil
            "trainwatch.state.retention", "trainwatch.state.catalog",
            "trainwatch.snapshot.blobs", "trainwatch.snapshot.format",
            "trainwatch.evidence.flightrecorder")
+
+_PR_SET_DUMPABLE = 4
+try:  # loaded here, in the daemon, before any fork (the hand loads nothing of libc's)
+    _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):
+    _prctl = None
 
 # What a call may keep for the next ones (a job's listing, digests of linked
 # files): lost with the hand, which each user of it must allow for.
@@ -96,6 +104,11 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str],
         os.setresuid(ident.uid, ident.uid, ident.uid)
         if os.geteuid() != ident.uid or (ident.uid != 0 and os.getresuid()[2] == 0):
             os._exit(71)  # never go on with root's rights in a user's folder
+    # Never dumpable, whatever fs.suid_dumpable says: the job's user may not read
+    # /proc/<hand>/environ (root's environment at exec, which clear() does not
+    # erase) or /proc/<hand>/mem (a copy of root's memory), nor ptrace the hand.
+    if _prctl is None or _prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        os._exit(72)
     os.chdir("/")
     os.umask(0o077)
 
