@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import os
 import pwd
+import selectors
 import shutil
 import subprocess
 import sys
@@ -33,11 +34,13 @@ from trainwatch.actions import background, prune, pull, ringfolder
 from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints, Job, from_mapping
 from trainwatch.evidence import flightrecorder
+from trainwatch.intake import RING_BUDGET, RING_POLL, Intake
 from trainwatch.layouts import base as layouts_base
 from trainwatch.layouts import megatron
 from trainwatch.privsep import jobhands
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
+from trainwatch.sources import ring
 from trainwatch.state import ondisk, retention
 from trainwatch.state.catalog import Catalog
 from trainwatch.state.manifest import Store
@@ -835,3 +838,47 @@ def test_a_hand_is_never_dumpable(open_tmp: Path) -> None:
             assert hand.call(_dumpable, timeout=30) == 0, who
         finally:
             hand.close()
+
+
+def test_a_ring_of_a_million_slots_kept_full_is_read_only_so_far(tmp_path: Path) -> None:
+    """A ring is the job's file: one of 2^16 slots, every slot written, is read up to
+    the client's ring size (4,096 records) per read, the rest counted as lapped, never
+    65,535 records parsed in the daemon's loop (2^20 slots took it 1.2 s a read)."""
+    w = ring.RingWriter(str(tmp_path), 0, slots=1 << 16)
+    assert w.ok, w.error
+    with ring.RingReader(w.path, skip_existing=True) as rd:
+        for i in range(1 << 16):
+            w.write(i, 1.0, 1.0)
+        got = rd.read()
+        assert len(got) <= ring.SLOTS and rd.lapped >= (1 << 16) - ring.SLOTS - 1
+        assert got[-1].step == (1 << 16) - 1  # the newest are the ones read
+    w.close()
+
+
+def test_one_jobs_rings_are_read_within_a_budget_per_turn(tmp_path: Path) -> None:
+    """40 full rings of one job: a turn reads at most RING_BUDGET records from them,
+    and the rings a turn left are read at the next ones: every ring is read."""
+    beats: list[Any] = []
+    now = [0.0]
+    intake = Intake("j", str(tmp_path / "s.sock"), selectors.DefaultSelector(),
+                    lambda pid, uid: True, lambda: now[0], None,
+                    lambda b: beats.extend(b), lambda r: None)
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    writers = [ring.RingWriter(str(rings), rank) for rank in range(40)]
+    try:
+        intake.new_attempt(str(rings))
+        intake.drain()  # opens them all, nothing written yet
+        for w in writers:
+            for i in range(ring.SLOTS - 1):
+                w.write(i, 1.0, 1.0)
+        intake.drain()
+        assert 0 < len(beats) <= RING_BUDGET, len(beats)
+        for _ in range(3):
+            now[0] += RING_POLL
+            intake.drain()
+        assert {b.rank for b in beats} == set(range(40))
+    finally:
+        for w in writers:
+            w.close()
+        intake.close()

@@ -38,6 +38,11 @@ _REFUSED_MAX = 4096
 # value comes at once as a datagram and a judgement reads the rings first, so
 # this bounds only how stale steps/s and the statistics may be.
 RING_POLL = 1.0
+# Records read from one job's rings per RING_POLL, in all (16 of the client's
+# 4,096-slot rings, full): rings are the job's files, and a thousand of them,
+# kept full, must cost the loop a bounded time. Rings left for lack of budget are
+# read first at the next turn (what their writers overwrite meanwhile is lapped).
+RING_BUDGET = 65_536
 _NO_UID = -1  # for believe(): a ring's writer has no uid the kernel vouches for
 
 
@@ -70,6 +75,7 @@ class Intake:
         self._dir_seen: int | None = None
         self.data_order: DataOrder | None = None  # the job's last word on it
         self._ring_poll_at = 0.0
+        self._budget, self._budget_until, self._turn = RING_BUDGET, 0.0, 0
 
     @property
     def rings_lapped(self) -> int:
@@ -127,10 +133,18 @@ class Intake:
         now = self.clock()
         n = 0
         writer_clock = self._writer_clock
-        for rd in list(self.readers.values()):  # a beat may end the attempt (and clear them)
+        if now >= self._budget_until:
+            self._budget, self._budget_until = RING_BUDGET, now + RING_POLL
+        readers = list(self.readers.values())  # a beat may end the attempt (and clear them)
+        first = self._turn % len(readers) if readers else 0
+        for k, rd in enumerate(readers[first:] + readers[:first]):
             if self.ring_dir is None:
                 break
-            records = rd.read()
+            if self._budget <= 0:
+                self._turn = first + k  # where the next turn starts
+                break
+            records = rd.read(min(ring.SLOTS, self._budget))
+            self._budget -= len(records)
             if records:
                 self.on_beats([Beat(r.rank, r.step, min(r.t, now) if writer_clock else now,
                                     r.pid, r.loss, r.grad_norm) for r in records])

@@ -356,17 +356,20 @@ class RingReader:
         raw = os.pread(self._fd, 8, HEAD_OFFSET)
         return _U64.unpack(raw)[0] if len(raw) == 8 else None
 
-    def read(self) -> list[Record]:
-        """Every record written since the last read that was not overwritten."""
+    def read(self, limit: int = SLOTS) -> list[Record]:
+        """Every record written since the last read that was not overwritten, at most
+        the newest ``limit`` of them (the rest counted as lapped): the file and its
+        header are the writer's, and a ring of 2^20 slots, kept full, would
+        otherwise cost the daemon a second of its loop at every read."""
         if self._fd < 0:
             return []
         try:
-            return self._read()
+            return self._read(max(1, limit))
         except (OSError, ValueError, struct.error):
             self.bad += 1
             return []
 
-    def _snapshot(self) -> tuple[int, int, bytes, int] | None:
+    def _snapshot(self, limit: int) -> tuple[int, int, bytes, int] | None:
         """(start, head, slots' bytes for [start, head), first record not
         overwritten), or None if this read raced the writer or the file is bad.
         Changes nothing: a failed snapshot can be taken again."""
@@ -374,7 +377,7 @@ class RingReader:
         last, slots = self._last, self.slots
         if head is None or head < last:  # truncated, or a head caught mid-change
             return None
-        start = max(last, head - slots)
+        start = max(last, head - min(slots, limit))
         n = head - start
         if n == 0:
             return start, head, b"", start
@@ -401,10 +404,10 @@ class RingReader:
         safe_from = after - slots + 1
         return start, head, data, safe_from
 
-    def _read(self) -> list[Record]:
-        snap = self._snapshot()
+    def _read(self, limit: int) -> list[Record]:
+        snap = self._snapshot(limit)
         if snap is None:  # a head below the last, or a newest record not complete:
-            snap = self._snapshot()  # a read that raced the writer; once more
+            snap = self._snapshot(limit)  # a read that raced the writer; once more
         if snap is None:
             self.bad += 1  # twice: the file, not the race
             return []
