@@ -37,7 +37,7 @@ from trainwatch.evidence import flightrecorder
 from trainwatch.intake import RING_BUDGET, RING_POLL, Intake
 from trainwatch.layouts import base as layouts_base
 from trainwatch.layouts import megatron
-from trainwatch.privsep import jobhands
+from trainwatch.privsep import child, jobhands
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
 from trainwatch.sources import ring
@@ -882,3 +882,21 @@ def test_one_jobs_rings_are_read_within_a_budget_per_turn(tmp_path: Path) -> Non
         for w in writers:
             w.close()
         intake.close()
+
+
+def test_a_hand_stuck_before_it_serves_ends_at_once_not_at_its_calls_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new hand that blocks while it becomes the job's user (an import whose lock a
+    thread of root's held at the fork) ends by its own alarm: the call fails in
+    seconds, not at its deadline (an hour for a hash)."""
+    (tmp_path / "twblocks.py").write_text("import time\ntime.sleep(3600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(child, "BECOME_MAX", 2)
+    hand = Hand("t", None, preload=("twblocks",))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandDown):
+            hand.call(os.getpid, timeout=120)
+        assert time.monotonic() - t0 < 60
+    finally:
+        hand.close()

@@ -33,6 +33,8 @@ from typing import Any, NoReturn
 from trainwatch.actions.credentials import Identity
 from trainwatch.privsep.hand import BLOB, REPLY, REQUEST, Blobs
 
+# Seconds a new hand may take to become the job's user (its imports included).
+BECOME_MAX = 60
 # A hand that grew this much past its size at the fork leaves after its reply
 # (a listing of a million names): root forks a new one at the next call.
 GROWTH_MAX = 128 << 20
@@ -81,6 +83,10 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str],
     for s in _SIGNALS:
         signal.signal(s, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    # Bounded like a call: an import whose lock a thread of root's held at the fork
+    # waits forever here, and root would wait for it as long as its call's deadline
+    # (an hour for a hash, six for a pull).
+    signal.alarm(BECOME_MAX)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
@@ -111,6 +117,7 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str],
         os._exit(72)
     os.chdir("/")
     os.umask(0o077)
+    signal.alarm(0)
 
 
 class _Stderr(logging.Handler):
