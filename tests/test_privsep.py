@@ -900,3 +900,33 @@ def test_a_hand_stuck_before_it_serves_ends_at_once_not_at_its_calls_deadline(
         assert time.monotonic() - t0 < 60
     finally:
         hand.close()
+
+
+def test_retention_under_min_free_reads_sizes_in_one_bounded_call(
+        ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below min_free_bytes, 50 checkpoints' sizes are read in one call of the job's
+    hand within a budget (one call per checkpoint, each with a 30 s deadline, held the
+    loop as long as the folders took); sizes it did not reach delete nothing."""
+    ckpt = ws.root / "ckpt"
+    for s in range(50):
+        (ckpt / f"step_{s}").mkdir(parents=True)
+        (ckpt / f"step_{s}" / "w").write_bytes(b"w")
+    doc: dict[str, Any] = {
+        "state_dir": str(ws.state), "run_dir": str(ws.root / "run"), "metrics": {"port": 0},
+        "gpu": {"backend": "off"},
+        "jobs": [{"name": "j", "command": ["/bin/true"],
+                  "checkpoints": {"dir": str(ckpt), "keep": {"min_free_bytes": 1 << 62}}}]}
+    sup = Supervisor(from_mapping(doc))
+    try:
+        r = sup.runners[0]
+        for s in range(50):
+            assert r.catalog.report(s, str(ckpt / f"step_{s}"))
+        calls = r.hands.quick.counts["calls"]
+        p = prune.plan(r)
+        assert r.hands.quick.counts["calls"] - calls <= 3  # the listing, free space, sizes
+        assert len(p.delete) == 49 and p.freed_bytes == 49
+        monkeypatch.setattr(prune, "SIZES_BUDGET", 0.0)
+        p = prune.plan(r)
+        assert p.delete == () and "size not known" in dict(p.kept)[0]
+    finally:
+        sup.close()

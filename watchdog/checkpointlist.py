@@ -18,7 +18,6 @@ is root's caution, not the operator's). Nothing is written.
 from __future__ import annotations
 
 import os
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 
 from trainwatch.config import Checkpoints, ConfigError, Job
 from trainwatch.privsep.hand import Hand, HandError
-from trainwatch.state import atomic, manifest
+from trainwatch.state import atomic, manifest, retention
 from trainwatch.state.catalog import Catalog, Entry
 
 LIMIT = 200  # the newest this many: a daemon's reply must fit one datagram
@@ -43,30 +42,6 @@ def _verdict(e: Entry) -> str:
 FACTS_BUDGET = 2.0
 
 
-def _size(path: str, until: float) -> int | None:
-    """retention.size_of, given up (None) at ``until``."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode):
-        return st.st_size if stat.S_ISREG(st.st_mode) else 0
-    total = 0
-    for top, _dirs, files in os.walk(path):
-        for n, name in enumerate(files):
-            if n % 256 == 0 and time.monotonic() >= until:
-                return None
-            try:
-                st = os.lstat(os.path.join(top, name))
-            except OSError:
-                continue  # removed meanwhile
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-        if time.monotonic() >= until:
-            return None
-    return total
-
-
 def facts(paths: list[str], budget: float = FACTS_BUDGET) -> list[list[Any]]:
     """[size, mtime] of each of ``paths`` (None where unknown, and for all past
     ``budget`` seconds). A daemon's listing runs it in the job's hand, as its
@@ -78,7 +53,7 @@ def facts(paths: list[str], budget: float = FACTS_BUDGET) -> list[list[Any]]:
             mtime: float | None = os.stat(p).st_mtime if time.monotonic() < until else None
         except OSError:
             mtime = None
-        out.append([_size(p, until) if mtime is not None else None, mtime])
+        out.append([retention.size_within(p, until) if mtime is not None else None, mtime])
     return out
 
 

@@ -46,6 +46,7 @@ HAND_TIMEOUT = 30.0
 # What takes the time (a folder of many files removed, on a network file system,
 # and the store's GC) runs in the job's removal hand from a thread, given this long.
 CLEAR_TIMEOUT = 3600.0
+SIZES_BUDGET = 5.0  # the sizes a pass under min_free_bytes reads, in all
 _CLEARING = "trainwatch-retention"
 
 
@@ -56,6 +57,20 @@ def _in_hand(r: JobRunner, fn: Callable[[str], int | None], path: str) -> int | 
     except HandError:
         return None
     return got if isinstance(got, int) else None
+
+
+def _sizes(r: JobRunner, paths: list[str]) -> list[int]:
+    """Each checkpoint's size, oldest first, read as the job's user in one call of
+    at most SIZES_BUDGET seconds (-1: not known); one call per checkpoint, each
+    with its own deadline, held the loop for as long as a folder of many."""
+    try:
+        got = r.hands.quick.call(retention.sizes, paths, SIZES_BUDGET,
+                                 timeout=SIZES_BUDGET + 5.0)
+    except HandError:
+        got = None
+    if not isinstance(got, list) or len(got) != len(paths):
+        return [-1] * len(paths)
+    return [s if isinstance(s, int) and s >= 0 else -1 for s in got]
 
 
 def free_space(r: JobRunner) -> int | None:
@@ -121,8 +136,8 @@ def plan(r: JobRunner, listed: bool = True) -> Plan:
     entries = r.catalog.entries() if listed else r.catalog.known()
     free = free_space(r)
     sized = keep.min_free_bytes is not None and free is not None and free < keep.min_free_bytes
-    cands = [retention.candidate(e, (_in_hand(r, retention.size_of, e.path) or 0) if sized
-                                 else 0) for e in entries]
+    known = _sizes(r, [e.path for e in entries]) if sized else [0] * len(entries)
+    cands = [retention.candidate(e, size) for e, size in zip(entries, known, strict=True)]
     a = r.attempt
     live = a is not None and r.state in (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
     return retention.plan(cands, keep, resumed_from=a.resumed_step if live and a else None,

@@ -41,6 +41,7 @@ import os
 import shutil
 import stat
 import sys
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ class Candidate:
     good: bool
     judged: bool  # a complete-or-bad verdict was reached (False: may still be being written)
     quarantined: bool
-    size: int  # bytes; used only against min_free_bytes
+    size: int  # bytes (-1: not known); used only against min_free_bytes
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,8 @@ def plan(cands: Sequence[Candidate], keep: Keep, *, resumed_from: int | None,
         for c in deletable:  # oldest first
             if free_bytes + freed >= keep.min_free_bytes:
                 why[id(c)] = "free space above min_free_bytes"
+            elif c.size < 0:
+                why[id(c)] = "size not known (not read in time)"
             else:
                 chosen.add(id(c))
                 freed += max(0, c.size)
@@ -274,6 +277,38 @@ def size_of(path: str) -> int:
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
     return total
+
+
+def size_within(path: str, until: float) -> int | None:
+    """``size_of``, given up (None) at ``until`` (time.monotonic()): a checkpoint
+    folder of a million files is its job's user's to make."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size if stat.S_ISREG(st.st_mode) else 0
+    total = 0
+    for top, _dirs, files in os.walk(path):
+        for n, name in enumerate(files):
+            if n % 256 == 0 and time.monotonic() >= until:
+                return None
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:
+                continue  # removed meanwhile
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+        if time.monotonic() >= until:
+            return None
+    return total
+
+
+def sizes(paths: list[str], budget: float) -> list[int | None]:
+    """The size of each of ``paths``, in order, within ``budget`` seconds in all
+    (None for those it did not reach). Run in the job's hand."""
+    until = time.monotonic() + budget
+    return [size_within(p, until) for p in paths]
 
 
 def free_bytes(root: str) -> int | None:
