@@ -286,7 +286,10 @@ def test_a_folder_of_many_names_is_listed_in_the_hand_bounded_and_root_does_not_
     finally:
         hand.close()
     assert 0 < len(entries) <= 10_000
-    assert grew < 8 << 20, f"root grew {grew >> 20} MiB"
+    # The mirror of the 10,000 newest checkpoints is ~7.3 MiB of root's (its reply
+    # parsed); what the module imported before moves that by a MiB either way. The
+    # 120,000 names themselves, mirrored, would be ~90 MiB.
+    assert grew < 16 << 20, f"root grew {grew >> 20} MiB"
 
 
 def test_a_user_that_cannot_be_taken_on_is_never_run_as_root(open_tmp: Path) -> None:
