@@ -40,6 +40,7 @@ from trainwatch.layouts import megatron
 from trainwatch.privsep import child, jobhands
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
+from trainwatch.snapshot import format as snapshot_format
 from trainwatch.sources import ring
 from trainwatch.state import ondisk, retention
 from trainwatch.state.catalog import Catalog
@@ -933,3 +934,24 @@ def test_retention_under_min_free_reads_sizes_in_one_bounded_call(
         assert p.delete == () and "size not known" in dict(p.kept)[0]
     finally:
         sup.close()
+
+
+def test_a_snapshot_manifest_that_is_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    """snapshot.json swapped for a FIFO after its snapshot was judged good: reading the
+    Snapshotter's keep from it (retention, in the loop's hand) is refused at once, never
+    an open that waits for a writer until the hand's deadline."""
+    folder = tmp_path / "snapshot-5"
+    folder.mkdir()
+    os.mkfifo(folder / snapshot_format.MANIFEST)
+    said: list[str] = []
+
+    def read() -> None:
+        try:
+            snapshot_format.read(folder)
+        except ValueError as e:
+            said.append(str(e))
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and said and "not a regular file" in said[0], said

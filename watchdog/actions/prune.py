@@ -47,6 +47,7 @@ HAND_TIMEOUT = 30.0
 # and the store's GC) runs in the job's removal hand from a thread, given this long.
 CLEAR_TIMEOUT = 3600.0
 SIZES_BUDGET = 5.0  # the sizes a pass under min_free_bytes reads, in all
+KEEP_TIMEOUT = 10.0  # reading the Snapshotter's keep from a manifest (megabytes of JSON)
 _CLEARING = "trainwatch-retention"
 
 
@@ -119,7 +120,7 @@ def keep_rule(r: JobRunner) -> Keep:
     seen = _snapshot_keep.get(r.job.name)
     if seen is None or seen[0] != good.path:
         try:
-            got = r.hands.quick.call(snapshot_keep, good.path, timeout=HAND_TIMEOUT)
+            got = r.hands.quick.call(snapshot_keep, good.path, timeout=KEEP_TIMEOUT)
             last = got if isinstance(got, int) and got > 0 else None
         except HandError:
             return keep  # good a moment ago, unreadable now: the next refresh judges it

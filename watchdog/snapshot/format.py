@@ -195,7 +195,12 @@ def read(folder: str | os.PathLike[str]) -> Manifest:
         raise ValueError(f"{folder}: not a snapshot folder (snapshot-<step>)")
     path = os.path.join(folder, MANIFEST)
     try:
-        with open(path, "rb") as f:
+        # Never through a link, never a FIFO's open or read that waits for a writer:
+        # the daemon reads a job's snapshots (in its hand, with a deadline, too).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{path}: not a regular file")
             data = f.read(MAX_MANIFEST + 1)
     except OSError as e:
         raise ValueError(f"{path}: {e.strerror or e}") from None
