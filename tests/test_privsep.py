@@ -42,7 +42,7 @@ from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot import format as snapshot_format
 from trainwatch.sources import ring
-from trainwatch.state import ondisk, retention
+from trainwatch.state import numbered, ondisk, retention
 from trainwatch.state.catalog import Catalog
 from trainwatch.state.manifest import Store
 from trainwatch.state.verifier import Verifier
@@ -955,3 +955,16 @@ def test_a_snapshot_manifest_that_is_a_fifo_is_refused_at_once(tmp_path: Path) -
     t.start()
     t.join(10)
     assert not t.is_alive() and said and "not a regular file" in said[0], said
+
+
+def test_a_numbered_checkpoint_that_is_a_fifo_is_judged_at_once(tmp_path: Path) -> None:
+    """Under auto, ckpt_5.pt planted as a FIFO: judging whether the file is whole
+    returns at once (it says nothing of itself), never an open that waits for a writer
+    until the job's listing passes its deadline (the loop waits that long)."""
+    os.mkfifo(tmp_path / "ckpt_5.pt")
+    said: list[object] = []
+    t = threading.Thread(target=lambda: said.append(numbered._structure(
+        str(tmp_path / "ckpt_5.pt"))), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and said == [None], said

@@ -33,7 +33,7 @@ from functools import cached_property
 from pathlib import Path
 
 from trainwatch.config import Checkpoints
-from trainwatch.layouts.base import safetensors_file
+from trainwatch.layouts.base import open_regular, safetensors_file
 from trainwatch.state.ondisk import Generic, names_of, newest_mtime, nonempty
 
 QUIET_FOR = 60.0  # unchanged this long, with no marker and no format to read: complete
@@ -113,18 +113,24 @@ def infer(names: Iterable[str]) -> Naming | None:
 
 def _structure(path: str) -> tuple[bool, str] | None:
     """A file's own word on whether it is whole; None when its format says nothing."""
+    name = os.path.basename(path)
     try:
-        with open(path, "rb") as f:
+        # A regular file itself, opened without waiting (a FIFO named ckpt_5.pt
+        # held the job's listing to its deadline), read through this one open.
+        with open_regular(path) as f:
             head = f.read(4)
+            if head != _ZIP:
+                whole = None
+            else:
+                try:
+                    f.seek(0)
+                    with zipfile.ZipFile(f) as z:
+                        whole = bool(z.namelist())
+                except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+                    whole = False
     except OSError:
         return None
-    name = os.path.basename(path)
-    if head == _ZIP:
-        try:
-            with zipfile.ZipFile(path) as z:
-                whole = bool(z.namelist())
-        except (OSError, zipfile.BadZipFile, ValueError, EOFError):
-            whole = False
+    if whole is not None:
         return (True, "a whole zip (torch.save, numpy)") if whole else (
             False, f"{name}: a zip without its directory (cut short, or being written)")
     if name.endswith(".safetensors"):
