@@ -26,7 +26,7 @@ from typing import Any
 
 from trainwatch.config import Checkpoints
 from trainwatch.privsep.hand import Hand
-from trainwatch.state import atomic, statewrites
+from trainwatch.state import atomic, heap, statewrites
 from trainwatch.state.checkpointlayout import make_layout, recognise
 from trainwatch.state.handdisk import HandDisk
 from trainwatch.state.ondisk import Layout, OnDisk
@@ -186,6 +186,10 @@ class Catalog:
             self._counts[_kind(e)] += 1
             if e.good and not first and (old is None or not old.good) and self.verifier:
                 self.verifier.submit(step, e.path)  # newly complete: its manifest now
+        if getattr(self.disk, "shrunk", False):  # a large listing forgotten (handdisk.py)
+            self.disk.shrunk = False  # type: ignore[union-attr]
+            self._entries = dict(self._entries)
+            heap.give_back()
         if first and self.verifier is not None:
             good = self._newest_good()
             if good is not None:  # at start: the one a relaunch would use, not all history

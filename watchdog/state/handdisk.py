@@ -28,7 +28,7 @@ from typing import Any
 from trainwatch.layouts import base
 from trainwatch.privsep import child
 from trainwatch.privsep.hand import Hand, HandError
-from trainwatch.state import ondisk
+from trainwatch.state import heap, ondisk
 from trainwatch.state.ondisk import Layout, OnDisk
 
 log = logging.getLogger("trainwatch")
@@ -78,7 +78,7 @@ def refresh_in_hand(key: str, layout: bytes | None, root: str | None,
     changed = disk.refresh(force or fresh)
     names_cut = ondisk.names_cut + base.entries_cut != cut
     if names_cut:
-        child.kept["truncated"] = f"over {ondisk.MAX_NAMES} names"
+        child.kept["truncated"] = f"over {ondisk.MAX_NAMES} names (the rest unread)"
     recognised = getattr(disk.layout, "found", None)
     return {
         "fresh": fresh,
@@ -112,6 +112,7 @@ class HandDisk:
         self.mtimes: dict[int, float] = {}
         self.listings = 0
         self.unanswered = 0  # refreshes the hand did not answer (counted, logged)
+        self.shrunk = False  # many entries forgotten at once: the catalog rebuilds too
         self.names_cut = 0  # listings that read only the first ondisk.MAX_NAMES names
         self.truncated = 0  # listings that kept only the newest MAX_CHECKPOINTS
         self.why_unanswered: str | None = None
@@ -187,12 +188,16 @@ class HandDisk:
         paths = reply.get("paths")
         if isinstance(paths, dict):
             new = {int(s): str(p) for s, p in paths.items()}
-            for step in set(self.paths) - set(new):
+            gone = set(self.paths) - set(new)
+            for step in gone:
                 self.verdicts.pop(step, None)
                 self.mtimes.pop(step, None)
                 changed.add(step)
             self.paths = new
             self.steps = sorted(new)
+            if len(gone) >= heap.SHRINK:  # dictionaries never shrink their tables
+                self.verdicts, self.mtimes = dict(self.verdicts), dict(self.mtimes)
+                self.shrunk = True
         for s, v in (reply.get("verdicts") or {}).items():
             step = int(s)
             if step in self.paths and isinstance(v, list) and len(v) == 3:
@@ -209,8 +214,10 @@ class HandDisk:
             self.truncated += 1
         if truncated and not self._truncated_said:
             self._truncated_said = True
-            log.error("%s: %s: %s checkpoints or names: only the newest %d checkpoints are "
-                      "kept track of", self.key, self.root, truncated, MAX_CHECKPOINTS)
+            log.error("%s: %s holds %s: only the newest %d checkpoints are kept track "
+                      "of", self.key, self.root,
+                      truncated if isinstance(truncated, str) else f"{truncated} checkpoints",
+                      MAX_CHECKPOINTS)
         found = reply.get("recognised")
         if isinstance(found, str) and self.on_recognised is not None:
             self.on_recognised(found)
