@@ -92,7 +92,7 @@ def test_a_blown_learning_rate_is_rolled_back_to_before_its_onset(ws: Workspace)
     assert (inc["kind"], inc["action"], inc["onset_step"]) == ("nan_loss", "rollback", 41), inc
     runs = [json.loads(x) for x in journal.read_text().splitlines()]
     assert [r["attempt"] for r in runs] == [0, 1], runs
-    assert runs[1]["start"] == 39, runs
+    assert runs[1]["start"] == 39, (runs, out[-4000:])
     start, end = runs[1]["skip"]
     assert start == 41 <= end, runs
     assert inc["resumed_step"] == 39, inc
