@@ -97,10 +97,10 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str],
     # lines would queue forever) or to a descriptor just closed, whose number a
     # file or socket of a call may take: the hand's lines go to stderr, plainly.
     logging.getLogger().handlers[:] = [_Stderr()]
-    # Imported as we are, in the job's environment (what the modules read of it at
-    # import), before the drop: the job's user may not read our code.
+    # Imported as we are, before the drop (the job's user may not read our code),
+    # in an empty environment: a module that reads a file named by it at import
+    # (fsspec's FSSPEC_CONFIG_DIR, under the job's HOME) must not read it as root.
     os.environ.clear()
-    os.environ.update(env)
     for name in (*_ALWAYS, *preload):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
@@ -117,6 +117,7 @@ def _become(fd: int, ident: Identity | None, env: dict[str, str],
         os._exit(72)
     os.chdir("/")
     os.umask(0o077)
+    os.environ.update(env)  # the job's, for its calls: read as the job's user
     signal.alarm(0)
 
 
