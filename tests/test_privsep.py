@@ -968,3 +968,20 @@ def test_a_numbered_checkpoint_that_is_a_fifo_is_judged_at_once(tmp_path: Path) 
     t.start()
     t.join(10)
     assert not t.is_alive() and said == [None], said
+
+
+def test_an_install_other_users_cannot_reach_is_found(tmp_path: Path) -> None:
+    """A folder on the way to trainwatch's install that others may not traverse is the
+    one named (the daemon says so loudly: a hand as a job's user cannot load from it)."""
+    from trainwatch.privsep.jobhands import unreadable
+
+    shut = tmp_path / "shut"
+    (shut / "lib").mkdir(parents=True)
+    shut.chmod(0o700)
+    (tmp_path / "open" / "lib").mkdir(parents=True)
+    tmp_path.chmod(0o755)
+    (tmp_path / "open").chmod(0o755)
+    (tmp_path / "open" / "lib").chmod(0o755)
+    assert unreadable((str(shut / "lib"),)) == str(shut)
+    above = unreadable((str(tmp_path / "open" / "lib"),))  # pytest's own 0700 folders, maybe
+    assert above is None or not above.startswith(str(tmp_path)), above

@@ -9,6 +9,9 @@ evidence or a relaunch's verification wait for it or for a removal."""
 from __future__ import annotations
 
 import logging
+import os
+import stat
+import sysconfig
 from dataclasses import dataclass
 
 from trainwatch.actions import credentials
@@ -50,7 +53,46 @@ class JobHands:
             h.rebind(ident)
 
 
+def unreadable(paths: tuple[str, ...]) -> str | None:
+    """The first folder above (or at) one of ``paths`` that other users may not
+    traverse; None when every one is reachable."""
+    for p in paths:
+        d = os.path.abspath(p)
+        while True:
+            try:
+                if not os.stat(d).st_mode & stat.S_IXOTH:
+                    return d
+            except OSError:
+                return d
+            up = os.path.dirname(d)
+            if up == d:
+                break
+            d = up
+    return None
+
+
+_said = False
+
+
+def _check_install(ident: Identity | None) -> None:
+    """Once: a hand as another user loads what it lacks from our install (a module
+    imported late, botocore's data for a pull): say so loudly if it cannot."""
+    global _said
+    if _said or ident is None or ident.uid == os.geteuid():
+        return
+    _said = True
+    import trainwatch
+
+    where = unreadable((os.path.dirname(trainwatch.__file__), sysconfig.get_paths()["purelib"]))
+    if where is not None:
+        log.error("trainwatch's install is not reachable by other users (%s): a job's hands, "
+                  "which run as its user, cannot load what they lack from it (a pull from "
+                  "checkpoints.remote fails); install it where every user may read it "
+                  "(make install does)", where)
+
+
 def for_job(name: str, ident: Identity | None) -> JobHands:
     """``ident``: the job's user (None: the job runs as we do; its hands too)."""
+    _check_install(ident)
     return JobHands(Hand(f"job {name}", ident), Hand(f"job {name} (hashing)", ident),
                     Hand(f"job {name} (evidence)", ident), Hand(f"job {name} (removal)", ident))
