@@ -45,19 +45,23 @@ def _raise(e: OpFailed) -> None:
     raise e.oserror()  # what could not be read, as the job's user
 
 
-def make(hand: Hand, step: int, path: str, chunk: int,
-         should_stop: Callable[[], bool]) -> Manifest:
-    """manifest.make, in the hand. Raises as it does (OSError, Stopped), or
-    HandError when the hand gave no answer."""
+def _call(hand: Hand, should_stop: Callable[[], bool], fn: Callable[..., Any],
+          *args: Any) -> Any:
+    """``fn(*args)`` in the hand, its failures raised as manifest's own would be."""
     try:
-        got = hand.call(make_in_hand, step, path, chunk, timeout=HASH_TIMEOUT,
-                        should_stop=should_stop)
+        return hand.call(fn, *args, timeout=HASH_TIMEOUT, should_stop=should_stop)
     except HandAborted:
         raise Stopped() from None
     except OpFailed as e:
         _raise(e)
         raise
-    m = Manifest.from_json(got)
+
+
+def make(hand: Hand, step: int, path: str, chunk: int,
+         should_stop: Callable[[], bool]) -> Manifest:
+    """manifest.make, in the hand. Raises as it does (OSError, Stopped), or
+    HandError when the hand gave no answer."""
+    m = Manifest.from_json(_call(hand, should_stop, make_in_hand, step, path, chunk))
     if m is None or (m.step, m.path) != (step, path):
         raise ValueError(f"the hand's manifest of {path} is not one")
     return m
@@ -65,12 +69,5 @@ def make(hand: Hand, step: int, path: str, chunk: int,
 
 def check(hand: Hand, m: Manifest, chunk: int, should_stop: Callable[[], bool]) -> str | None:
     """manifest.check, in the hand."""
-    try:
-        why = hand.call(check_in_hand, m.to_json(), chunk, timeout=HASH_TIMEOUT,
-                        should_stop=should_stop)
-    except HandAborted:
-        raise Stopped() from None
-    except OpFailed as e:
-        _raise(e)
-        raise
+    why = _call(hand, should_stop, check_in_hand, m.to_json(), chunk)
     return None if why is None else str(why)[:1000]

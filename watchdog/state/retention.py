@@ -37,6 +37,7 @@ Rules, in the order they are applied to each checkpoint:
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import stat
@@ -261,22 +262,7 @@ def remove_grave(grave: str, shown: str | None = None) -> str | None:
 def size_of(path: str) -> int:
     """Bytes a checkpoint holds (a file, or a folder tree; symlinks not
     followed); what cannot be read counts as 0."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return 0
-    if not stat.S_ISDIR(st.st_mode):
-        return st.st_size if stat.S_ISREG(st.st_mode) else 0
-    total = 0
-    for top, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(top, name))
-            except OSError:
-                continue  # removed meanwhile
-            if stat.S_ISREG(st.st_mode):
-                total += st.st_size
-    return total
+    return size_within(path, math.inf) or 0
 
 
 def size_within(path: str, until: float) -> int | None:
