@@ -5,7 +5,6 @@ SIGKILLed after the whole kill_grace."""
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 import time
@@ -47,4 +46,5 @@ def test_a_sigstopped_job_is_stopped_by_its_sigterm_well_within_kill_grace(ws: W
     assert "SIGKILL" not in out, out
     after = log.read_text()[len(before):]
     # Each process ran its own SIGTERM handler (printer.py prints "signal 15" and exits 143).
-    assert len(re.findall(r"^signal 15$", after, re.M)) == 2, after
+    # Two processes print at once into one log: their lines may run together.
+    assert after.count("signal 15") == 2, after
