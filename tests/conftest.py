@@ -218,6 +218,32 @@ def local_user(name: str) -> pwd.struct_passwd:
 
 
 @pytest.fixture
+def reachable_install() -> Iterator[None]:
+    """A job's hand loads what it lacks (botocore's data for a pull) from trainwatch's
+    install, as the job's user; a clean clone in a 0700 temp dir is not reachable by
+    that user (make install's is). Let others traverse the folders above it for the
+    test (never /root), and restore their modes after."""
+    import sysconfig
+
+    import trainwatch
+    from trainwatch.privsep.jobhands import unreadable
+
+    paths = (os.path.dirname(trainwatch.__file__), sysconfig.get_paths()["purelib"])
+    opened: list[tuple[str, int]] = []
+    try:
+        while (d := unreadable(paths)) is not None:
+            if d == "/root" or d.startswith("/root/") or os.geteuid() != 0 \
+                    or any(d == o for o, _ in opened):
+                missing(f"trainwatch's install is not reachable by other users ({d})")
+            opened.append((d, os.stat(d).st_mode & 0o7777))
+            os.chmod(d, opened[-1][1] | 0o001)
+        yield
+    finally:
+        for d, mode in reversed(opened):
+            os.chmod(d, mode)
+
+
+@pytest.fixture
 def open_tmp() -> Iterator[Path]:
     """A folder under /tmp that other users can traverse (pytest's tmp_path is root's 0700)."""
     d = Path(tempfile.mkdtemp(prefix="twv", dir="/tmp"))

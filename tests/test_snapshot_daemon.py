@@ -237,7 +237,8 @@ def test_a_relaunch_on_an_empty_dir_pulls_the_newest_snapshot_and_resumes(
 
 @pytest.mark.parametrize("damaged", [False, True], ids=["pulled", "pull-failed"])
 def test_a_pull_runs_as_the_jobs_user_so_what_it_makes_is_theirs_and_nothing_is_chowned(
-        tmp_path: Path, open_tmp: Path, s3: S3Bucket, damaged: bool) -> None:
+        tmp_path: Path, open_tmp: Path, s3: S3Bucket, damaged: bool,
+        reachable_install: None) -> None:
     """On a fresh host the pull runs in the job's hand (privsep): the checkpoint folder,
     the store and the pulled snapshot are made by the job's user, pulled or not; a store
     swapped for a link to root's folder is the user's to follow, and root's files
