@@ -139,6 +139,37 @@ def test_a_checkpoint_report_the_daemon_missed_is_sent_by_a_later_beat(
         hb.close()
 
 
+def test_a_non_finite_beat_never_overtakes_a_checkpoint_report_kept_unsent(
+    sock_path: Path, ring_dir: Path
+) -> None:
+    """Reports a full queue refused reach the daemon before the NaN beat that
+    follows them (the rollback it starts picks from what was reported), even
+    right after a beat's retry of them failed."""
+    s = _listener(sock_path)
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.connect(str(sock_path))
+    filler.setblocking(False)
+    hb = client.connect(str(sock_path))
+    try:
+        hb.beat(1)  # announces this rank's ring: later finite beats use only the ring
+        while True:  # a daemon whose loop is late: its queue is full
+            try:
+                filler.send(b"x")
+            except BlockingIOError:
+                break
+        assert hb.checkpoint(38, sock_path.parent / "step_38") is False
+        hb.beat(39, loss=0.5)  # retries the kept report: the queue is still full
+        _recv_all(s)  # the loop catches up
+        hb.beat(40, loss=math.inf)  # well within the retry interval of beat 39's try
+        got = [parse(d, pid=1, at=0.0) for d in _recv_all(s)]
+        assert [(type(o).__name__, o.step) for o in got] == [  # type: ignore[union-attr]
+            ("CheckpointReport", 38), ("Beat", 40)], got
+    finally:
+        filler.close()
+        s.close()
+        hb.close()
+
+
 def test_full_queue_drops_beats_without_blocking(sock_path: Path, listener: socket.socket) -> None:
     """A listener that never reads fills its queue; later beats are dropped and counted."""
     hb = client.connect(str(sock_path))

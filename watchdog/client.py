@@ -46,6 +46,7 @@ _MIN_INTERVAL = 0.005
 _CHECKPOINT_RETRY_FOR = 0.2
 _UNSENT_KEPT = 4  # unsent checkpoint reports kept for a later beat to send
 _UNSENT_RETRY = 0.1  # seconds between two tries from beat()
+_FLUSH_FOR = 1.0  # before a non-finite value (rare: it starts a rollback), kept reports retried
 _MAX_WHY = 300  # characters of a data-order reason sent (the daemon keeps as many)
 
 
@@ -158,7 +159,10 @@ class Heartbeat:
         """Report that ``step`` finished. Never blocks, never raises."""
         try:
             if self._unsent:
-                self._send_unsent()
+                if _finite(loss) and _finite(grad_norm):
+                    self._send_unsent()
+                else:  # it starts a rollback, judged by the checkpoints reported before it
+                    self._send_unsent(flush=True)
             if self._ring_dir is not None:
                 if rank is None and self._ring_gen == _fork_gen:
                     w = self._ring
@@ -213,15 +217,24 @@ class Heartbeat:
             self._ring, self._ring_gen = w, _fork_gen
         return w
 
-    def _send_unsent(self) -> None:
+    def _send_unsent(self, flush: bool = False) -> None:
+        """Send the reports kept for later, in order; ``flush``: now, retried
+        briefly as a report is (a non-finite value must not overtake them, on the
+        socket or in the ring: the rollback it starts picks from what was reported),
+        for up to _FLUSH_FOR."""
         now = _monotonic()
-        if now < self._unsent_at:
+        if now < self._unsent_at and not flush:
             return
         self._unsent_at = now + _UNSENT_RETRY
         if self._sock is None:
             self._connect()  # not once a second: a report is waiting
-        while self._unsent and self._send(self._unsent[0]):
-            del self._unsent[0]
+        deadline = now + (_FLUSH_FOR if flush else 0.0)
+        while True:
+            while self._unsent and self._send(self._unsent[0]):
+                del self._unsent[0]
+            if not self._unsent or _monotonic() >= deadline:
+                break
+            time.sleep(0.005)
         if self._unsent:
             self._connect()
 
