@@ -12,7 +12,7 @@ blocking ``send()`` allows, from a bound socket that never reads its replies:
 * stop: ``{"op": "stop", "args": {"job": "bench"}}``, refused (not its job);
 * status: ``{"op": "status"}``, answered (no jobs: it has none).
 
-Meanwhile root asks ``status`` every 50 ms (``trainwatch.control.request``,
+Meanwhile root asks ``status`` every 50 ms (``trainwatch.host.control.request``,
 5 s timeout). For each: trainwatch's CPU seconds (psutil user+sys) from the
 flood's start until it ends, less its idle rate measured for 2 s before, scaled
 to 100,000 requests; the requests trainwatch read (the rest the kernel refused
@@ -42,7 +42,7 @@ from typing import Any
 
 import psutil
 from _common import machine_line
-from trainwatch.control import ControlError, request
+from trainwatch.host.control import ControlError, request
 
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534

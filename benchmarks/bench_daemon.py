@@ -21,7 +21,7 @@ binds (systemd-python must be installed for READY=1).
     status.json names the same pid as before, state running, and the ledger has a
     transition for the job after t0 whose to_state or reason says "adopt".
     Goal: <= 1 s each. For scale, the time a new interpreter takes to import
-    trainwatch.cli and trainwatch.daemon is printed too.
+    trainwatch.cli and trainwatch.host.daemon is printed too.
 (c) Steps lost across the restarts: each job's log ("step N" every 10 steps) must
     never go backwards nor skip, its attempt must not change, and the longest
     time its printed step stood still during a restart window is reported (the
@@ -336,7 +336,7 @@ def import_floor(runs: int) -> list[float]:
     out = []
     for _ in range(runs):
         t0 = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-c", "import trainwatch.cli, trainwatch.daemon;"
+        p = subprocess.Popen([sys.executable, "-c", "import trainwatch.cli, trainwatch.host.daemon;"
                               " print('ok', flush=True)"], stdout=subprocess.PIPE)
         assert p.stdout is not None
         p.stdout.readline()

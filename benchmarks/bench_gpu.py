@@ -116,9 +116,9 @@ from fake_pynvml import (  # noqa: E402
     FakeNvml,
 )
 from trainwatch.config import Gpu  # noqa: E402
-from trainwatch.gpuwatch import GpuWatch  # noqa: E402
 from trainwatch.sources.nvml import EVENT_WAIT_MS, GpuUnavailable, NvmlSource  # noqa: E402
 from trainwatch.types import Fault, FaultKind, XidEvent  # noqa: E402
+from trainwatch.watch.gpuwatch import GpuWatch  # noqa: E402
 
 from faultinject import drills  # noqa: E402
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from trainwatch.config import ConfigError, default_dirs, load
-from trainwatch.control import control_path
+from trainwatch.host.control import control_path
 
 from faultinject import drills, joblog
 

@@ -7,7 +7,7 @@ its process's environment (ranks.py). None is signalled unless a trainwatch hold
 job's lock and the process is proven the job's through a pidfd (identity.py).
 
 GPU drills reach the running trainwatch over its control socket in ``run_dir``
-(``trainwatch.control``), which hands them to the GPU source to be handled like
+(``trainwatch.host.control``), which hands them to the GPU source to be handled like
 a real fault; loss drills (``nan``, ``grad-spike``) likewise, to the job's
 loss detectors as observations marked injected. The kernel-log drill instead
 appends a real-format ``NVRM: Xid`` line to a text file that trainwatch tails.
@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-from trainwatch import control
 from trainwatch.actions import cgroup
 from trainwatch.detectors.xid import classify
 from trainwatch.export import status as jobstatus
+from trainwatch.host import control
 from trainwatch.sources.kmsg import normalise_pci, parse_line
 
 from faultinject import identity, ranks

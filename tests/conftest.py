@@ -306,7 +306,7 @@ def user_python() -> Iterator[UserPython]:
             # Importable, and executable by the check trainwatch makes of a job's program.
             probe = subprocess.run(
                 ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c",
-                 "import os, sys, trainwatch.cli, trainwatch.supervisor; "
+                 "import os, sys, trainwatch.cli, trainwatch.host.supervisor; "
                  "sys.exit(not os.access(sys.argv[1], os.X_OK))", python],
                 env={"PATH": os.defpath, "PYTHONPATH": str(site)}, capture_output=True,
                 check=False, timeout=60)

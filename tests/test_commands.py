@@ -3,7 +3,7 @@
 against a real control socket.
 
 The daemon's server side of these ops is written separately: here a real
-`trainwatch.control.ControlSocket`, served by a thread of the test, answers
+`trainwatch.host.control.ControlSocket`, served by a thread of the test, answers
 with canned replies in the agreed schema and records what it was asked. Tests
 against the live daemon belong with the daemon. Also here: no daemon (no
 socket, a stale one), a real unprivileged user kept out by a closed run_dir,
@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 from conftest import ServedControl, UserPython, Workspace, local_user
-from trainwatch.commands import render_incidents
-from trainwatch.control import ControlSocket, Peer, Refused, control_path
+from trainwatch.cli.commands import render_incidents
+from trainwatch.host.control import ControlSocket, Peer, Refused, control_path
 from trainwatch.state.ledger import Ledger
 from trainwatch.types import Fault, FaultKind
 

@@ -19,7 +19,7 @@ import pytest
 from trainwatch import cli
 from trainwatch.config import ConfigError, Job, from_mapping, load, parse_duration
 from trainwatch.detectors.xid import Immediate
-from trainwatch.supervisor import check_command
+from trainwatch.host.supervisor import check_command
 from trainwatch.types import DETECTED_KINDS, FaultKind
 
 JOB = "jobs: [{name: j, command: [python, train.py]}]\n"

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from conftest import ServedControl, Workspace, missing, need_root, wait_for
-from trainwatch.control import (
+from trainwatch.host.control import (
     MAX_REQUEST,
     ControlError,
     ControlSocket,

@@ -31,7 +31,7 @@ from conftest import UserPython, free_port, local_user, need_root, wait_for
 
 ADMIN, ALICE, BOB, CAROL = "twadmin", "twalice", "twbob", "twcarol"
 JOBS = {"a": ALICE, "b": BOB}
-GROUP = "trainwatch"  # trainwatch.access.GROUP: the admin group
+GROUP = "trainwatch"  # trainwatch.host.access.GROUP: the admin group
 # The job: beats ten times a second through the client (running from its first beat).
 BEATER = ("import time\nfrom trainwatch import client\nhb = client.connect()\n"
           "step = 0\nwhile True:\n    step += 1\n    hb.beat(step)\n    time.sleep(0.1)\n")
@@ -71,7 +71,7 @@ class Host:
 
     def ask(self, user: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
         """One raw request from a process running as ``user`` (what faultinject sends)."""
-        code = ("import json, sys; from trainwatch.control import request; "
+        code = ("import json, sys; from trainwatch.host.control import request; "
                 "print(json.dumps(request(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))")
         p = subprocess.run(["setpriv", f"--reuid={user}", f"--regid={pwd.getpwnam(user).pw_gid}",
                             "--init-groups", self.up.python, "-c", code, str(self.run_dir), op,

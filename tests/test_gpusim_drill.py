@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trainwatch.detectors.gpu import detect_ecc, detect_lost, detect_thermal
-from trainwatch.drill import Overlay
+from trainwatch.lifecycle.drill import Overlay
 from trainwatch.sources.gpusim import SimGpus
 from trainwatch.types import FaultKind
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from conftest import UserPython, Workspace, local_user, missing, wait_for
 from trainwatch.config import from_mapping
-from trainwatch.job import JobRunner
-from trainwatch.supervisor import Supervisor
+from trainwatch.host.supervisor import Supervisor
+from trainwatch.lifecycle.job import JobRunner
 from trainwatch.types import JobState
 
 VICTIM = "twvictim"
@@ -211,7 +211,7 @@ def test_an_exit_whose_handling_failed_is_handled_again(
         ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 6: if acting on the leader's exit raises once, the exit is not forgotten (the job
     does not stay `running` around a zombie): the next round handles it and the job ends."""
-    import trainwatch.exits as exitmod  # where the exit is judged
+    import trainwatch.watch.exits as exitmod  # where the exit is judged
 
     doc = {"state_dir": str(ws.state), "run_dir": str(ws.root / "run"), "metrics": {"port": 0},
            "gpu": {"backend": "off"}, "jobs": [{"name": "j", "command": ws.worker("--steps", "5")}]}

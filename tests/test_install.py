@@ -100,8 +100,8 @@ def test_installed_cli_runs_from_its_own_venv(destdir: Path) -> None:
     p = installed(destdir, f"{PREFIX}/bin/faultinject", "--help")
     assert p.returncode == 0, p.stderr
     p = installed(destdir, VENV_PYTHON, "-c",
-                  "import sys, systemd.daemon, trainwatch.service;"
-                  " print(sys.prefix, trainwatch.service.__file__)")
+                  "import sys, systemd.daemon, trainwatch.host.service;"
+                  " print(sys.prefix, trainwatch.host.service.__file__)")
     assert p.returncode == 0, p.stderr
     prefix, module = p.stdout.split()
     assert prefix == f"{PREFIX}/lib/trainwatch"
@@ -205,7 +205,7 @@ def test_install_without_libsystemd_says_so_plainly_and_still_notifies(tmp_path:
             q = subprocess.run(
                 [str(python), "-c", "import importlib.util, sys\n"
                  "assert importlib.util.find_spec('systemd') is None\n"
-                 "from trainwatch.service import Service\n"
+                 "from trainwatch.host.service import Service\n"
                  "Service().ready('up')\nprint(sys.modules['trainwatch'].__file__)"],
                 env={**clean_env(), "NOTIFY_SOCKET": str(root / "notify")},
                 capture_output=True, text=True, timeout=60, check=False, cwd=root)

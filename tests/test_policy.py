@@ -7,7 +7,7 @@ import random
 
 import pytest
 from trainwatch.config import Backoff, Policy
-from trainwatch.policy import RestartHistory, backoff_delay, decide
+from trainwatch.lifecycle.policy import RestartHistory, backoff_delay, decide
 from trainwatch.types import Action, Fault, FaultKind
 
 CRASH = Fault(FaultKind.CRASH, "llama", onset=0.0)

@@ -29,12 +29,11 @@ from conftest import (
     pid_gone,
     wait_for,
 )
-from trainwatch import checkpointlist
 from trainwatch.actions import background, prune, pull, ringfolder
 from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints, Job, from_mapping
 from trainwatch.evidence import flightrecorder
-from trainwatch.intake import RING_BUDGET, RING_POLL, Intake
+from trainwatch.host.supervisor import Supervisor
 from trainwatch.layouts import base as layouts_base
 from trainwatch.layouts import megatron
 from trainwatch.privsep import child, jobhands
@@ -42,11 +41,11 @@ from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot import format as snapshot_format
 from trainwatch.sources import ring
-from trainwatch.state import numbered, ondisk, retention
+from trainwatch.state import checkpointlist, numbered, ondisk, retention
 from trainwatch.state.catalog import Catalog
 from trainwatch.state.manifest import Store
 from trainwatch.state.verifier import Verifier
-from trainwatch.supervisor import Supervisor
+from trainwatch.watch.intake import RING_BUDGET, RING_POLL, Intake
 
 USER = "twhand"
 

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from trainwatch import client
 from trainwatch.actions import rollback
 from trainwatch.config import Backoff, Policy, Rollback
-from trainwatch.policy import RestartHistory, decide
+from trainwatch.lifecycle.policy import RestartHistory, decide
 from trainwatch.sources.heartbeat import parse
 from trainwatch.types import DataOrder, Fault, FaultKind
 

@@ -1,4 +1,4 @@
-"""systemd integration (trainwatch.service): the exact sd_notify datagrams a real
+"""systemd integration (trainwatch.host.service): the exact sd_notify datagrams a real
 child process sends to a real AF_UNIX socket standing in for systemd's, the
 watchdog's pid rule, the no-op without systemd-python, and journald fields."""
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import missing
-from trainwatch.service import STATUS_MAX, journal_handler
+from trainwatch.host.service import STATUS_MAX, journal_handler
 
 SYSTEMD_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "INVOCATION_ID",
                 "JOURNAL_STREAM")
@@ -62,7 +62,7 @@ def child(code: str, prelude: str = "", **env: str) -> subprocess.CompletedProce
     script = prelude + textwrap.dedent("""
         import logging, sys
         logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
-        from trainwatch.service import Service, journal_handler
+        from trainwatch.host.service import Service, journal_handler
     """) + textwrap.dedent(code)
     p = subprocess.run([sys.executable, "-c", script], env={**base, **env},
                        capture_output=True, text=True, timeout=60, check=False)

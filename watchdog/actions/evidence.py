@@ -25,7 +25,7 @@ from trainwatch.evidence.show import folder
 from trainwatch.types import Fault
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

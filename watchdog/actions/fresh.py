@@ -25,7 +25,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
     from trainwatch.state.catalog import Entry
 
 log = logging.getLogger("trainwatch")

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 from trainwatch.actions.credentials import Identity
 from trainwatch.config import Job
-from trainwatch.service import SERVICE_ENV
+from trainwatch.host.service import SERVICE_ENV
 from trainwatch.sources import ring
 
 # systemd's PATH for the services it starts (the split-/usr variant).

@@ -10,15 +10,16 @@ import selectors
 import statistics
 from typing import TYPE_CHECKING
 
-from trainwatch import anomalies, logwatch, respond
 from trainwatch.actions import attemptfiles, evidence, fresh, pull, verify
 from trainwatch.actions.attempt import Attempt
+from trainwatch.lifecycle import respond
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import JobState
+from trainwatch.watch import anomalies, logwatch
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

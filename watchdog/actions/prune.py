@@ -35,7 +35,7 @@ from trainwatch.state.retention import Keep, Plan
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

@@ -35,13 +35,13 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainwatch import respond
 from trainwatch.actions import credentials, jobenv
+from trainwatch.lifecycle import respond
 from trainwatch.privsep.hand import Hand, HandError, HandTimeout, OpFailed
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

@@ -22,7 +22,7 @@ from trainwatch.actions import background
 from trainwatch.privsep.hand import Hand, HandError
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

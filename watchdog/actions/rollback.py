@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 from trainwatch.actions import launch as launching
 from trainwatch.actions import pull
 from trainwatch.config import Rollback
-from trainwatch.policy import RestartHistory
+from trainwatch.lifecycle.policy import RestartHistory
 from trainwatch.snapshot.format import folder_name
 from trainwatch.state.catalog import QUARANTINED
 from trainwatch.types import DataOrder, Fault, JobState
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

@@ -9,14 +9,14 @@ import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainwatch import firstfailure
 from trainwatch.actions import evidence, ringfolder, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.evidence.capture import Capture
 from trainwatch.types import JobState
+from trainwatch.watch import firstfailure
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

@@ -19,7 +19,7 @@ from trainwatch.state.catalog import Entry
 from trainwatch.state.verifier import Verdict, Verifier
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

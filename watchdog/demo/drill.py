@@ -27,11 +27,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from trainwatch.config import from_mapping
 from trainwatch.demo import trainer
-from trainwatch.gpuwatch import GpuWatch
-from trainwatch.job import JobRunner
+from trainwatch.host.supervisor import Supervisor
+from trainwatch.lifecycle.job import JobRunner
 from trainwatch.state.ledger import Ledger
-from trainwatch.supervisor import Supervisor
 from trainwatch.types import FaultKind, JobState
+from trainwatch.watch.gpuwatch import GpuWatch
 
 from faultinject import drills
 

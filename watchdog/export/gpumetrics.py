@@ -14,7 +14,7 @@ from trainwatch.state.gpuhealth import GpuState
 from trainwatch.types import GpuSample
 
 if TYPE_CHECKING:
-    from trainwatch.supervisor import Supervisor
+    from trainwatch.host.supervisor import Supervisor
 
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 

@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from trainwatch.privsep import jobhands
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 # Hand.counts keys -> the outcome label (calls is the total, ok is what is left).
 _OUTCOMES = {"timeouts": "timeout", "died": "died", "aborted": "aborted", "failed": "failed",

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from trainwatch.actions.cgroup import AttemptCgroup, Usage
 
 if TYPE_CHECKING:
-    from trainwatch.supervisor import Supervisor
+    from trainwatch.host.supervisor import Supervisor
 
 _ABSENT = " Absent while the job's attempt has no cgroup of its own (cgroup v2 not writable)."
 _NO_MEMCG = " Absent also where the memory controller is not enabled for the attempt's cgroup."

@@ -42,8 +42,8 @@ from trainwatch.state.catalog import REFUSALS
 from trainwatch.types import DETECTED_KINDS, JobState
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
-    from trainwatch.supervisor import Supervisor
+    from trainwatch.host.supervisor import Supervisor
+    from trainwatch.lifecycle.job import JobRunner
 
 # ``_created`` series double the counters for nothing a dashboard uses.
 disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client

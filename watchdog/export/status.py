@@ -24,7 +24,7 @@ from trainwatch.state import atomic, statewrites
 from trainwatch.state.ownership import set_mode
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

@@ -18,7 +18,7 @@ from trainwatch.state import atomic, statewrites
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 VERSION = 1
 

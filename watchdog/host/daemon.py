@@ -23,9 +23,9 @@ from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler  # type: ignore[import-untyped]
 from trainwatch.config import Config, ConfigError, load
-from trainwatch.job import JobRunner
-from trainwatch.service import Service
-from trainwatch.supervisor import Supervisor
+from trainwatch.host.service import Service
+from trainwatch.host.supervisor import Supervisor
+from trainwatch.lifecycle.job import JobRunner
 from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")

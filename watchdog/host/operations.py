@@ -17,16 +17,18 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
-from trainwatch import __version__, access, checkpointlist, drillrequests
-from trainwatch.access import Peer
+from trainwatch import __version__
 from trainwatch.actions import prune, rollback
 from trainwatch.actions.launch import launch
-from trainwatch.policy import RestartHistory
+from trainwatch.host import access, drillrequests
+from trainwatch.host.access import Peer
+from trainwatch.lifecycle.policy import RestartHistory
+from trainwatch.state import checkpointlist
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
-    from trainwatch.supervisor import Supervisor
+    from trainwatch.host.supervisor import Supervisor
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from trainwatch import logwatch, respond
 from trainwatch.detectors import run as run_detectors
+from trainwatch.lifecycle import respond
 from trainwatch.types import JobState, ProcessExit
+from trainwatch.watch import logwatch
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 
 def check(r: JobRunner) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainwatch.config import ConfigError, Gpu
-from trainwatch.drill import Overlay
+from trainwatch.lifecycle.drill import Overlay
 from trainwatch.sources.gpusim import SimGpus
 from trainwatch.sources.kmsg import KernelLog, KernelLogError
 from trainwatch.state import atomic, statewrites

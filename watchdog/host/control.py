@@ -47,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainwatch.access import GROUP, Peer, Peers, Refused
+from trainwatch.host.access import GROUP, Peer, Peers, Refused
 from trainwatch.sources.heartbeat import SocketInUse, listening
 
 log = logging.getLogger("trainwatch")

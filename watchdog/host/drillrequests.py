@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from trainwatch import access, anomalies
-from trainwatch.access import Peer
+from trainwatch.host import access
+from trainwatch.host.access import Peer
+from trainwatch.watch import anomalies
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
-    from trainwatch.supervisor import Supervisor
+    from trainwatch.host.supervisor import Supervisor
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

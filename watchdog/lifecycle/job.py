@@ -24,26 +24,22 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from trainwatch import adopt, anomalies, exits, logwatch, refusals, respond, stallwatch
 from trainwatch.actions import background, credentials, prune, pull
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.launch import launch
 from trainwatch.actions.tree import stopped_ranks
-from trainwatch.anomalies import LossFeed
 from trainwatch.config import Config, Job, socket_path
 from trainwatch.detectors import JobView
 from trainwatch.detectors import next_deadline as detector_deadline
 from trainwatch.detectors import run as run_detectors
-from trainwatch.drill import DrillNotice
 from trainwatch.export import status
 from trainwatch.export.goodput import Goodput
 from trainwatch.export.metrics import Events
-from trainwatch.firstfailure import FirstFailure
-from trainwatch.gpuwatch import GpuWatch
-from trainwatch.intake import Intake
-from trainwatch.logwatch import LogWatch
-from trainwatch.policy import RestartHistory, XidHistory
+from trainwatch.host import adopt
+from trainwatch.lifecycle import respond
+from trainwatch.lifecycle.drill import DrillNotice
+from trainwatch.lifecycle.policy import RestartHistory, XidHistory
 from trainwatch.privsep import jobhands
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime, verifier
@@ -57,6 +53,12 @@ from trainwatch.types import (
     JobState,
     ProcessExit,
 )
+from trainwatch.watch import anomalies, exits, logwatch, refusals, stallwatch
+from trainwatch.watch.anomalies import LossFeed
+from trainwatch.watch.firstfailure import FirstFailure
+from trainwatch.watch.gpuwatch import GpuWatch
+from trainwatch.watch.intake import Intake
+from trainwatch.watch.logwatch import LogWatch
 
 log = logging.getLogger("trainwatch")
 

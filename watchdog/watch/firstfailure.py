@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from trainwatch.actions.attempt import Attempt
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 _FIRST_SCAN = 1.0
 _MAX_SCAN = 30.0

@@ -10,14 +10,14 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from trainwatch import respond
 from trainwatch.actions.logfollow import LogFollower
 from trainwatch.detectors.logrules import BUILTIN, LogMatch, Matcher, compile_rules
+from trainwatch.lifecycle import respond
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 _MAX_LINE = 4096  # a longer line is cut for matching (one with no newline for a long time, too)
 

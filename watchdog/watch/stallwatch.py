@@ -13,15 +13,15 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from trainwatch import respond
 from trainwatch.detectors import stall
 from trainwatch.detectors.stall import SilentView, StallSettings, StallView
-from trainwatch.policy import choose
+from trainwatch.lifecycle import respond
+from trainwatch.lifecycle.policy import choose
 from trainwatch.sources.procs import Sampler
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 _SAMPLE_AFTER = 1.0  # no rank advanced this long: sample the processes (for CPU rates)
 _MIN_SAMPLES = 20  # step intervals before the stall timeout is learned

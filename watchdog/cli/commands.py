@@ -1,5 +1,5 @@
 """The operator commands that talk to the running daemon over its control
-socket (``trainwatch.control``): ``status``, ``incidents``, ``checkpoints``,
+socket (``trainwatch.host.control``): ``status``, ``incidents``, ``checkpoints``,
 ``rollback``, ``pause``, ``resume``, ``stop``, ``start`` and ``reload``.
 
 Each sends one request and prints the reply as a table or one line, or with
@@ -22,12 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from trainwatch import checkpointlist
-from trainwatch.config import ConfigError, default_dirs, load
-from trainwatch.control import ControlError, control_path, request
-from trainwatch.evidence import show
-from trainwatch.state.ledger import Ledger
-from trainwatch.tables import (
+from trainwatch.cli.tables import (
     age,
     render_checkpoints,
     render_incidents,
@@ -35,6 +30,11 @@ from trainwatch.tables import (
     render_status,
     state_word,
 )
+from trainwatch.config import ConfigError, default_dirs, load
+from trainwatch.evidence import show
+from trainwatch.host.control import ControlError, control_path, request
+from trainwatch.state import checkpointlist
+from trainwatch.state.ledger import Ledger
 
 __all__ = [
     "add_parsers",

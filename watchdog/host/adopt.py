@@ -19,16 +19,16 @@ import selectors
 import time
 from typing import TYPE_CHECKING
 
-from trainwatch import exits, logwatch
 from trainwatch.actions import kept
 from trainwatch.actions.attempt import Attempt
-from trainwatch.policy import RestartHistory
+from trainwatch.lifecycle.policy import RestartHistory
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime
 from trainwatch.types import JobState
+from trainwatch.watch import exits, logwatch
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

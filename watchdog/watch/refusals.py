@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from trainwatch.types import CheckpointReport
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 

@@ -18,18 +18,18 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from trainwatch import operations
-from trainwatch.access import Peer
 from trainwatch.actions import credentials, jobenv, tree
 from trainwatch.config import Config, ConfigError, Job
-from trainwatch.control import ControlSocket
 from trainwatch.export.metrics import Exporter
-from trainwatch.gpuwatch import GpuWatch
-from trainwatch.job import JobRunner
+from trainwatch.host import operations
+from trainwatch.host.access import Peer
+from trainwatch.host.control import ControlSocket
+from trainwatch.lifecycle.job import JobRunner
 from trainwatch.sources.heartbeat import SocketInUse
 from trainwatch.state import joblock, ownership
 from trainwatch.state.ledger import Ledger
 from trainwatch.types import JobState
+from trainwatch.watch.gpuwatch import GpuWatch
 
 log = logging.getLogger("trainwatch")
 

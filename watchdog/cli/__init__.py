@@ -11,7 +11,8 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any, NoReturn
 
-from trainwatch import __version__, commands
+from trainwatch import __version__
+from trainwatch.cli import commands
 from trainwatch.config import (
     ConfigError,
     Job,
@@ -224,7 +225,7 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from trainwatch.supervisor import Supervisor
+    from trainwatch.host.supervisor import Supervisor
 
     config, _job = _run_config(args)
     _setup_logging(args.quiet)
@@ -233,8 +234,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from trainwatch.daemon import main as daemon_main
-    from trainwatch.service import journal_handler
+    from trainwatch.host.daemon import main as daemon_main
+    from trainwatch.host.service import journal_handler
 
     load(args.config)  # a bad config: one line, before anything starts
     journal = journal_handler()
@@ -246,7 +247,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 
 def cmd_clear_gpu(args: argparse.Namespace) -> int:
-    from trainwatch.control import ControlError, request
+    from trainwatch.host.control import ControlError, request
 
     run_dir = args.run_dir or (load(args.config).run_dir if args.config else _default_run_dir())
     try:
@@ -382,7 +383,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         print(f"trainwatch: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

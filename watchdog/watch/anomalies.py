@@ -16,13 +16,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainwatch import respond
 from trainwatch.detectors.loss import Anomaly, LossSettings, LossWatch
 from trainwatch.evidence import series
+from trainwatch.lifecycle import respond
 from trainwatch.types import Action, Beat, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 
 def _finite(x: float | None) -> bool:

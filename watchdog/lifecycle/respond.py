@@ -8,16 +8,16 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from trainwatch import firstfailure
 from trainwatch.actions import evidence, hook, rollback
 from trainwatch.actions import stop as stopping
 from trainwatch.evidence import series
 from trainwatch.evidence.show import folder
-from trainwatch.policy import choose, decide
+from trainwatch.lifecycle.policy import choose, decide
 from trainwatch.types import Action, Fault, FaultKind, JobState
+from trainwatch.watch import firstfailure
 
 if TYPE_CHECKING:
-    from trainwatch.job import JobRunner
+    from trainwatch.lifecycle.job import JobRunner
 
 log = logging.getLogger("trainwatch")
 
