@@ -28,14 +28,12 @@ from trainwatch.actions import background, credentials, prune, pull
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.launch import launch
-from trainwatch.actions.tree import stopped_ranks
 from trainwatch.config import Config, Job, socket_path
 from trainwatch.detectors import JobView
 from trainwatch.detectors import next_deadline as detector_deadline
-from trainwatch.detectors import run as run_detectors
 from trainwatch.export import status
 from trainwatch.export.goodput import Goodput
-from trainwatch.export.metrics import Events
+from trainwatch.export.events import Events
 from trainwatch.host import adopt
 from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.drill import DrillNotice
@@ -53,7 +51,7 @@ from trainwatch.types import (
     JobState,
     ProcessExit,
 )
-from trainwatch.watch import anomalies, exits, logwatch, refusals, stallwatch
+from trainwatch.watch import anomalies, exits, live, refusals, stallwatch
 from trainwatch.watch.anomalies import LossFeed
 from trainwatch.watch.firstfailure import FirstFailure
 from trainwatch.watch.gpuwatch import GpuWatch
@@ -62,9 +60,6 @@ from trainwatch.watch.logwatch import LogWatch
 
 log = logging.getLogger("trainwatch")
 
-# A job that never uses the client counts as running once it has been up this
-# long; one that does counts as running at its first beat.
-_RUNNING_WITHOUT_BEATS = 10.0
 # The published status carries the step at most this often.
 _PUBLISH_EVERY = 1.0
 # The checkpoint summary the exporter shows is refreshed this often.
@@ -239,9 +234,9 @@ class JobRunner:
     def _on_report(self, obs: CheckpointReport) -> None:
         # A checkpoint written again at a quarantined step is new, if this attempt
         # (one resumed from before the rollback) wrote it; not one being stopped.
-        live = self.state in (JobState.STARTING, JobState.RUNNING)
-        health = self.anomalies.health() if live else None
-        if not self.catalog.report(obs.step, obs.path, replaces_quarantined=live,
+        running = self.state in (JobState.STARTING, JobState.RUNNING)
+        health = self.anomalies.health() if running else None
+        if not self.catalog.report(obs.step, obs.path, replaces_quarantined=running,
                                    health=health):
             refusals.refused(self, obs)  # counted by reason, the first of each said
             return
@@ -308,38 +303,13 @@ class JobRunner:
         a = self.attempt
         if a is not None and not a.closed:
             a.follow()
-        live = self.state in (JobState.STARTING, JobState.RUNNING)
-        if live and a is not None and a.pidfd is None and self.exit_handled != a.number:
+        running = self.state in (JobState.STARTING, JobState.RUNNING)
+        if running and a is not None and a.pidfd is None and self.exit_handled != a.number:
             exits.check(self)
         if self.last_step != self.published_step and now - self.published_at >= _PUBLISH_EVERY:
             self.publish()
         if self.state in (JobState.STARTING, JobState.RUNNING) and a is not None:
-            if (
-                self.state is JobState.STARTING
-                and not self.ranks.beaten
-                and now - a.started >= _RUNNING_WITHOUT_BEATS
-            ):
-                self.to(JobState.RUNNING, f"up {_RUNNING_WITHOUT_BEATS:g}s without heartbeats")
-            self.first_failure.tick(self, now)  # the rank processes, watched
-            logwatch.check(self, now)
-            stallwatch.check(self, now)
-            if self.state not in (JobState.STARTING, JobState.RUNNING):
-                return  # a log rule or the stall detector acted
-            if not self.hang_latched:
-                faults = run_detectors("tick", self.view(now))
-                if faults:
-                    # A beat may be queued while we poll: read it before judging; and
-                    # which ranks' processes are stopped names the hung one among
-                    # ranks that went quiet together (DDP's wait in the collective).
-                    self.intake.drain()
-                    stopped = stopped_ranks(self.ranks.pids())
-                    faults = run_detectors("tick", self.view(now, stopped=stopped))
-                fault = faults[0] if faults else None
-                if fault is not None:
-                    if self.take_drill("hang", "nccl_stall") is not None:
-                        fault = dataclasses.replace(
-                            fault, evidence={**fault.evidence, "source": "drill"})
-                    respond.handle(self, fault)
+            live.check(self, a, now)
         elif self.state is JobState.STOPPING:
             stopping.advance(self, now)
         elif self.state is JobState.BACKOFF and now >= self.relaunch_at:
@@ -361,7 +331,7 @@ class JobRunner:
         if a is not None and a.pidfd is None:
             wake = now + _EXIT_POLL
         if self.state is JobState.STARTING:
-            wake = min(wake, (a.started if a else now) + _RUNNING_WITHOUT_BEATS)
+            wake = min(wake, (a.started if a else now) + live.RUNNING_WITHOUT_BEATS)
         if self.state in (JobState.STARTING, JobState.RUNNING):
             times = [stallwatch.deadline(self, now),
                      None if self.hang_latched else detector_deadline(self.view(now))]

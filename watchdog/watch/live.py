@@ -1,0 +1,49 @@
+"""A live attempt's watchers, in their order at each tick of the loop: the rank
+processes (first failure), the job's output (log rules), the stall watch, and
+the tick detectors (a hang). The first that acts ends the round: the job is no
+longer live."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from trainwatch.actions.attempt import Attempt
+from trainwatch.actions.tree import stopped_ranks
+from trainwatch.detectors import run as run_detectors
+from trainwatch.lifecycle import respond
+from trainwatch.types import JobState
+from trainwatch.watch import logwatch, stallwatch
+
+if TYPE_CHECKING:
+    from trainwatch.lifecycle.job import JobRunner
+
+# A job that never uses the client counts as running once it has been up this
+# long; one that does counts as running at its first beat.
+RUNNING_WITHOUT_BEATS = 10.0
+
+_LIVE = (JobState.STARTING, JobState.RUNNING)
+
+
+def check(r: JobRunner, a: Attempt, now: float) -> None:
+    if r.state is JobState.STARTING and not r.ranks.beaten \
+            and now - a.started >= RUNNING_WITHOUT_BEATS:
+        r.to(JobState.RUNNING, f"up {RUNNING_WITHOUT_BEATS:g}s without heartbeats")
+    r.first_failure.tick(r, now)  # the rank processes, watched
+    logwatch.check(r, now)
+    stallwatch.check(r, now)
+    if r.state not in _LIVE or r.hang_latched:
+        return  # a log rule or the stall detector acted; a hang already reported
+    faults = run_detectors("tick", r.view(now))
+    if faults:
+        # A beat may be queued while we poll: read it before judging; and which
+        # ranks' processes are stopped names the hung one among ranks that went
+        # quiet together (DDP's wait in the collective).
+        r.intake.drain()
+        stopped = stopped_ranks(r.ranks.pids())
+        faults = run_detectors("tick", r.view(now, stopped=stopped))
+    fault = faults[0] if faults else None
+    if fault is not None:
+        if r.take_drill("hang", "nccl_stall") is not None:
+            fault = dataclasses.replace(fault, evidence={**fault.evidence, "source": "drill"})
+        respond.handle(r, fault)
