@@ -466,7 +466,13 @@ def test_orphans_that_leave_the_session_are_reaped(ws: Workspace) -> None:
     time.sleep(1.0)  # the orphan has exited by now and re-parented to trainwatch
 
     def zombies() -> list[int]:
-        return [c.pid for c in psutil.Process(p.pid).children()
-                if c.status() == psutil.STATUS_ZOMBIE]
+        found = []
+        for c in psutil.Process(p.pid).children():
+            try:  # reaped between the listing and this look: gone, as it should be
+                if c.status() == psutil.STATUS_ZOMBIE:
+                    found.append(c.pid)
+            except psutil.NoSuchProcess:
+                pass
+        return found
 
     wait_for(lambda: not zombies(), timeout=15, what="the zombie to be reaped")
