@@ -12,16 +12,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import JobParts
 
 CLOSE_WAIT = 10.0  # a runner closing waits this long for its work, in all
 
-# The work under way, by job (a weak map: no field on JobRunner for it).
-_pending: weakref.WeakKeyDictionary[JobRunner, list[threading.Thread]] = (
+# The work under way, by job (a weak map: no field on the runner for it).
+_pending: weakref.WeakKeyDictionary[JobParts, list[threading.Thread]] = (
     weakref.WeakKeyDictionary())
 
 
-def start(r: JobRunner, work: Callable[[], None], name: str) -> threading.Thread:
+def start(r: JobParts, work: Callable[[], None], name: str) -> threading.Thread:
     """Run ``work`` in a thread of its own, kept for ``wait``."""
     t = threading.Thread(target=work, name=name, daemon=True)
     t.start()
@@ -29,12 +29,12 @@ def start(r: JobRunner, work: Callable[[], None], name: str) -> threading.Thread
     return t
 
 
-def busy(r: JobRunner, name: str) -> bool:
+def busy(r: JobParts, name: str) -> bool:
     """Some work of that name is still under way for ``r``."""
     return any(t.is_alive() and t.name == name for t in _pending.get(r, []))
 
 
-def wait(r: JobRunner, timeout: float | None = None) -> None:
+def wait(r: JobParts, timeout: float | None = None) -> None:
     """Before the runner's hands close: its work finishes, within ``timeout`` in
     all (``CLOSE_WAIT``; what is left is then ended with the hands)."""
     end = time.monotonic() + (CLOSE_WAIT if timeout is None else timeout)

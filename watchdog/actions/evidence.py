@@ -25,18 +25,18 @@ from trainwatch.evidence.show import folder
 from trainwatch.types import Fault
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
 _MAX_TARGETS = 64  # py-spy runs at once, one per process
 
 
-def fr_dir(r: JobRunner, number: int) -> Path:
+def fr_dir(r: Runner, number: int) -> Path:
     return Path(r.config.run_dir) / "jobs" / f"{r.job.name}.attempt-{number}.fr"
 
 
-def job_for_attempt(r: JobRunner, number: int) -> Job:
+def job_for_attempt(r: Runner, number: int) -> Job:
     """The job as the attempt is started: with the flight recorder's variables
     when asked (the job's own env wins), in a folder the job's user may write."""
     if not r.job.evidence.flight_recorder:
@@ -53,7 +53,7 @@ def job_for_attempt(r: JobRunner, number: int) -> Job:
     return dataclasses.replace(r.job, env={**flightrecorder.env(d), **r.job.env})
 
 
-def start(r: JobRunner, fault: Fault, incident: int | None) -> Capture | None:
+def start(r: Runner, fault: Fault, incident: int | None) -> Capture | None:
     """Begin capturing the attempt's evidence, when its settings ask for this kind."""
     a, ev = r.attempt, r.job.evidence
     if incident is None or incident < 0 or a is None or a.returncode is not None:
@@ -78,7 +78,7 @@ def start(r: JobRunner, fault: Fault, incident: int | None) -> Capture | None:
     return cap
 
 
-def finish(r: JobRunner, cap: Capture, incident: int) -> None:
+def finish(r: Runner, cap: Capture, incident: int) -> None:
     """Add what the capture found to the incident."""
     s: dict[str, Any] = cap.summary or {}
     verdict: dict[str, Any] = s.get("verdict") or {}

@@ -25,7 +25,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
     from trainwatch.state.catalog import Entry
 
 log = logging.getLogger("trainwatch")
@@ -50,7 +50,7 @@ def glance(folder: str) -> dict[str, Any]:
     return {"exists": True, "entries": len(names), "sample": sorted(names)[:_SAMPLE]}
 
 
-def _glance(r: JobRunner, folder: str) -> dict[str, Any]:
+def _glance(r: Runner, folder: str) -> dict[str, Any]:
     hands = getattr(r, "hands", None)  # the job's hand (privsep), where it has one
     if hands is None:
         return glance(folder)
@@ -61,7 +61,7 @@ def _glance(r: JobRunner, folder: str) -> dict[str, Any]:
         return {"exists": True, "entries": 0, "sample": [], "why": f"not read ({e})"}
 
 
-def _none_good(r: JobRunner, entries: list[Entry]) -> None:
+def _none_good(r: Runner, entries: list[Entry]) -> None:
     r.events.fresh_starts.labels(r.job.name).inc()
     said = "; ".join(f"step {e.step}: {e.why}" for e in entries[-3:][::-1])
     log.error("job %s: %d checkpoint(s) in %s, none good (%s%s): starting from scratch",
@@ -69,7 +69,7 @@ def _none_good(r: JobRunner, entries: list[Entry]) -> None:
               "; ..." if len(entries) > 3 else "")
 
 
-def _had(r: JobRunner) -> str | None:
+def _had(r: Runner) -> str | None:
     """What says the job has written checkpoints, in words; None when nothing does."""
     said = []
     if r.refused.count:
@@ -85,7 +85,7 @@ def _had(r: JobRunner) -> str | None:
     return "; ".join(said) or None
 
 
-def said(r: JobRunner) -> None:
+def said(r: Runner) -> None:
     """No good checkpoint to resume from: say why, loudly where the job had one."""
     entries = r.catalog.known()
     if entries:

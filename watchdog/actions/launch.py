@@ -19,14 +19,14 @@ from trainwatch.types import JobState
 from trainwatch.watch import anomalies, logwatch
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
 _VERIFY_POLL = 0.05  # while a relaunch waits for its checkpoint's verification
 
 
-def launch(r: JobRunner, reason: str) -> None:
+def launch(r: Runner, reason: str) -> None:
     """Start the next attempt from the last good checkpoint, on the healthy GPUs;
     FATAL when it cannot start."""
     ready, cp = verify.checkpoint_to_use(r, wait=r.state is not JobState.BACKOFF)

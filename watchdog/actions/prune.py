@@ -35,7 +35,7 @@ from trainwatch.state.retention import Keep, Plan
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
@@ -51,7 +51,7 @@ KEEP_TIMEOUT = 10.0  # reading the Snapshotter's keep from a manifest (megabytes
 _CLEARING = "trainwatch-retention"
 
 
-def _in_hand(r: JobRunner, fn: Callable[[str], int | None], path: str) -> int | None:
+def _in_hand(r: Runner, fn: Callable[[str], int | None], path: str) -> int | None:
     """A size or free space, read as the job's user; None when it cannot be."""
     try:
         got = r.hands.quick.call(fn, path, timeout=HAND_TIMEOUT)
@@ -60,7 +60,7 @@ def _in_hand(r: JobRunner, fn: Callable[[str], int | None], path: str) -> int | 
     return got if isinstance(got, int) else None
 
 
-def _sizes(r: JobRunner, paths: list[str]) -> list[int]:
+def _sizes(r: Runner, paths: list[str]) -> list[int]:
     """Each checkpoint's size, oldest first, read as the job's user in one call of
     at most SIZES_BUDGET seconds (-1: not known); one call per checkpoint, each
     with its own deadline, held the loop for as long as a folder of many."""
@@ -74,7 +74,7 @@ def _sizes(r: JobRunner, paths: list[str]) -> list[int]:
     return [s if isinstance(s, int) and s >= 0 else -1 for s in got]
 
 
-def free_space(r: JobRunner) -> int | None:
+def free_space(r: Runner) -> int | None:
     """Free space under the job's folder, read as its user (a path of theirs)."""
     root = r.catalog.spec.dir
     return _in_hand(r, retention.free_bytes, root) if root else None
@@ -105,7 +105,7 @@ _refused: dict[str, set[tuple[int, str]]] = {}
 _REFUSED_MAX = 1024
 
 
-def keep_rule(r: JobRunner) -> Keep:
+def keep_rule(r: Runner) -> Keep:
     """The job's ``checkpoints.keep``; without a rule, for trainwatch snapshots,
     the newest good snapshot's ``keep`` as ``last`` (pinned steps still hold)."""
     keep = r.job.checkpoints.keep
@@ -131,7 +131,7 @@ def keep_rule(r: JobRunner) -> Keep:
     return keep if seen[1] is None else replace(keep, last=seen[1])
 
 
-def plan(r: JobRunner, listed: bool = True) -> Plan:
+def plan(r: Runner, listed: bool = True) -> Plan:
     """What retention would delete now, and why each other checkpoint stays."""
     keep = keep_rule(r)
     entries = r.catalog.entries() if listed else r.catalog.known()
@@ -145,7 +145,7 @@ def plan(r: JobRunner, listed: bool = True) -> Plan:
                           free_bytes=free)
 
 
-def after_refresh(r: JobRunner) -> None:
+def after_refresh(r: Runner) -> None:
     """Delete what the plan says, when something changed that could free one."""
     keep, root = keep_rule(r), r.catalog.spec.dir
     if not keep.deletes or root is None or r.observing:

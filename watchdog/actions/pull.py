@@ -41,7 +41,7 @@ from trainwatch.privsep.hand import Hand, HandError, HandTimeout, OpFailed
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
@@ -191,27 +191,27 @@ def steps(url: str, timeout: float = LIST_MAX, env: dict[str, str] | None = None
     return sorted({s for s in got if isinstance(s, int)})
 
 
-# The pull a job's launch waits for (a weak map: no field on JobRunner for it).
-_pulls: weakref.WeakKeyDictionary[JobRunner, Pull] = weakref.WeakKeyDictionary()
+# The pull a job's launch waits for (a weak map: no field on the runner for it).
+_pulls: weakref.WeakKeyDictionary[Runner, Pull] = weakref.WeakKeyDictionary()
 
 
 # The attempt number each job last pulled the newest snapshot for: once per
 # launch, so that a pulled snapshot judged bad is not pulled again and again.
-_tried: weakref.WeakKeyDictionary[JobRunner, int] = weakref.WeakKeyDictionary()
+_tried: weakref.WeakKeyDictionary[Runner, int] = weakref.WeakKeyDictionary()
 
 
-def cancel(r: JobRunner) -> None:
+def cancel(r: Runner) -> None:
     """The job's runner closes: its pull, if one is under way, ends."""
     p = _pulls.pop(r, None)
     if p is not None:
         p.cancel()
 
 
-def pending(r: JobRunner) -> bool:
+def pending(r: Runner) -> bool:
     return r in _pulls
 
 
-def newest(r: JobRunner, reason: str) -> None:
+def newest(r: Runner, reason: str) -> None:
     """No good checkpoint on local disk: pull the newest remote snapshot, once
     per launch."""
     if r.job.checkpoints.remote is None or _tried.get(r) == r.number:
@@ -220,7 +220,7 @@ def newest(r: JobRunner, reason: str) -> None:
     begin(r, None, reason)
 
 
-def job_ident(r: JobRunner) -> credentials.Identity | None:
+def job_ident(r: Runner) -> credentials.Identity | None:
     """The job's user (None: it names none and runs as we do). A ValueError when it
     names one that cannot be resolved now (a user removed, a directory service
     down): never root's rights instead, in a folder that user may write."""
@@ -231,7 +231,7 @@ def job_ident(r: JobRunner) -> credentials.Identity | None:
         raise ValueError(f"cannot resolve the job's user {who}: {e}") from None
 
 
-def environment(r: JobRunner, ident: credentials.Identity | None = None) -> dict[str, str]:
+def environment(r: Runner, ident: credentials.Identity | None = None) -> dict[str, str]:
     """The environment the job's attempts get, but trainwatch's own variables:
     whose AWS credentials, endpoint and HOME its uploads use (actions/jobenv.py)."""
     if ident is None:
@@ -241,7 +241,7 @@ def environment(r: JobRunner, ident: credentials.Identity | None = None) -> dict
     return env
 
 
-def begin(r: JobRunner, step: int | None, reason: str) -> None:
+def begin(r: Runner, step: int | None, reason: str) -> None:
     """Start pulling (no-op when a pull is already under way for ``r``)."""
     spec = r.job.checkpoints
     if r in _pulls or spec.remote is None or spec.dir is None:
@@ -262,7 +262,7 @@ def begin(r: JobRunner, step: int | None, reason: str) -> None:
     _pulls[r] = p
 
 
-def wait(r: JobRunner, reason: str) -> str | None:
+def wait(r: Runner, reason: str) -> str | None:
     """The launch's turn: None while the pull runs (the launch is retried
     shortly, the job waiting in BACKOFF); else the launch's reason, once the
     pull is done and its outcome said."""
@@ -302,7 +302,7 @@ def wait(r: JobRunner, reason: str) -> str | None:
     return p.reason
 
 
-def _failed(r: JobRunner, p: Pull) -> str | None:
+def _failed(r: Runner, p: Pull) -> str | None:
     """The pull failed: the launch's reason when it may go on (from an older local
     checkpoint, or fresh over a remote whose manifests were just retired); None
     when the job stops instead of starting fresh over the remote's snapshots."""

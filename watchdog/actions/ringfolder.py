@@ -22,7 +22,7 @@ from trainwatch.actions import background
 from trainwatch.privsep.hand import Hand, HandError
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import JobParts
 
 log = logging.getLogger("trainwatch")
 
@@ -71,7 +71,7 @@ def _remove(hand: Hand, path: str, job: str) -> None:
                     job, path, e)
 
 
-def remove(r: JobRunner, path: str) -> threading.Thread:
+def remove(r: JobParts, path: str) -> threading.Thread:
     """Remove the folder ``path`` of ``r``'s ended attempt, in the background."""
     hand, job = r.hands.removal, r.job.name
     return background.start(r, lambda: _remove(hand, path, job), "trainwatch-rings")

@@ -22,14 +22,14 @@ from trainwatch.state.catalog import QUARANTINED
 from trainwatch.types import DataOrder, Fault, JobState
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
 MAX_LISTED = 64  # quarantined steps named in an incident; the rest are counted
 
 
-def to_step(r: JobRunner, step: int, reason: str) -> str:
+def to_step(r: Runner, step: int, reason: str) -> str:
     """Roll ``r`` back to its good checkpoint of ``step``; its path. None on local
     disk but a remote store set (``checkpoints.remote``) that holds it: pulled
     from there first, the relaunch waiting for it. A ValueError when there is
@@ -125,7 +125,7 @@ def exactness(order: DataOrder | None, resumed: int | None) -> tuple[str, str]:
                            "the window names")
 
 
-def apply(r: JobRunner, p: Plan, incident: int | None) -> dict[str, object]:
+def apply(r: Runner, p: Plan, incident: int | None) -> dict[str, object]:
     """Carry a rollback out: quarantine every checkpoint from ``before`` steps
     before the skip window on (the relaunch then resumes from the newest good
     one before it, or from scratch) and hand the window to the next attempts

@@ -16,7 +16,7 @@ from trainwatch.types import JobState
 from trainwatch.watch import firstfailure
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
@@ -34,7 +34,7 @@ class Stop:
     incident: int = -1
 
 
-def request(r: JobRunner, reason: str) -> None:
+def request(r: Runner, reason: str) -> None:
     """The operator asked: stop the job, do not relaunch."""
     if r.state in (JobState.STARTING, JobState.RUNNING):
         start(r, JobState.PAUSED, reason)
@@ -44,7 +44,7 @@ def request(r: JobRunner, reason: str) -> None:
         r.stopping.outcome, r.stopping.reason = JobState.PAUSED, reason
 
 
-def start(r: JobRunner, outcome: JobState, reason: str, delay: float = 0.0,
+def start(r: Runner, outcome: JobState, reason: str, delay: float = 0.0,
           capture: Capture | None = None, incident: int = -1) -> None:
     """STOPPING now; ``outcome`` (after ``delay``, for BACKOFF) once the tree is gone.
     With a ``capture`` in flight, the signals wait for it (at most its timeout)."""
@@ -58,7 +58,7 @@ def start(r: JobRunner, outcome: JobState, reason: str, delay: float = 0.0,
     advance(r, now)
 
 
-def advance(r: JobRunner, now: float) -> None:
+def advance(r: Runner, now: float) -> None:
     s, a = r.stopping, r.attempt
     assert s is not None
     if s.capture is not None:

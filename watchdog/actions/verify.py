@@ -19,7 +19,7 @@ from trainwatch.state.catalog import Entry
 from trainwatch.state.verifier import Verdict, Verifier
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import JobParts
 
 log = logging.getLogger("trainwatch")
 
@@ -43,7 +43,7 @@ class Check:
         return self.thread is not None and not self.thread.is_alive()
 
 
-def prefetch(r: JobRunner) -> None:
+def prefetch(r: JobParts) -> None:
     """Entering the backoff: check the checkpoint the relaunch will resume from."""
     cat = r.catalog
     if cat.verifier is None:
@@ -55,7 +55,7 @@ def prefetch(r: JobRunner) -> None:
         _check(r, cp)
 
 
-def _check(r: JobRunner, cp: Entry) -> Check:
+def _check(r: JobParts, cp: Entry) -> Check:
     cat = r.catalog
     c = cat.checking if isinstance(cat.checking, Check) else None
     if c is None or (c.step, c.path) != (cp.step, cp.path):
@@ -66,7 +66,7 @@ def _check(r: JobRunner, cp: Entry) -> Check:
     return c
 
 
-def checkpoint_to_use(r: JobRunner, wait: bool) -> tuple[bool, Entry | None]:
+def checkpoint_to_use(r: JobParts, wait: bool) -> tuple[bool, Entry | None]:
     """(ready, the checkpoint to resume from). Not ready: its check is still
     running (only when not ``wait``); try again shortly."""
     cat = r.catalog

@@ -4,21 +4,21 @@ the job's folders whose read blocks: its job's verdicts wait, nothing else."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, Metric
 from trainwatch.privsep import jobhands
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import JobParts
 
 # Hand.counts keys -> the outcome label (calls is the total, ok is what is left).
 _OUTCOMES = {"timeouts": "timeout", "died": "died", "aborted": "aborted", "failed": "failed",
              "down": "refused_cooling_down"}
 
 
-def families(runners: list[JobRunner]) -> Iterator[Metric]:
+def families(runners: Iterable[JobParts]) -> Iterator[Metric]:
     calls = CounterMetricFamily(
         "trainwatch_job_hand_calls",
         "Calls to the job's hands (processes as the job's user that read and change its "

@@ -24,7 +24,7 @@ from trainwatch.state import atomic, statewrites
 from trainwatch.state.ownership import set_mode
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
@@ -81,7 +81,7 @@ def read(state_dir: str | os.PathLike[str], job: str) -> dict[str, Any] | None:
     return s if isinstance(s, dict) else None
 
 
-def of(r: JobRunner) -> dict[str, Any]:
+def of(r: Runner) -> dict[str, Any]:
     """What ``trainwatch status`` and faultinject read of a job."""
     a = r.attempt
     return {

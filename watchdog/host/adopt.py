@@ -28,7 +28,7 @@ from trainwatch.types import JobState
 from trainwatch.watch import exits, logwatch
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
@@ -36,7 +36,7 @@ _LIVE = (JobState.STARTING, JobState.RUNNING, JobState.STOPPING)
 _RELAUNCHING = ("restart", "rollback", "restart_exclude_gpu")
 
 
-def adopt_or_start(r: JobRunner) -> None:
+def adopt_or_start(r: Runner) -> None:
     rt = runtime.load(r.dir, r.job.name)
     try:
         state = JobState(rt.state) if rt is not None and rt.state else None
@@ -93,7 +93,7 @@ def adopt_or_start(r: JobRunner) -> None:
         r.to(state, "adopted: ended before this daemon started")
 
 
-def _recorded(r: JobRunner, attempt: int) -> int | None:
+def _recorded(r: Runner, attempt: int) -> int | None:
     """The id of an incident already recorded for this attempt, if any; the
     restart it granted is put back into the budget if the state file missed it."""
     # Only an incident that stopped the attempt: an alert left it running.
@@ -111,7 +111,7 @@ def _recorded(r: JobRunner, attempt: int) -> int | None:
     return int(row["id"])
 
 
-def _adopt_attempt(r: JobRunner, rt: runtime.Runtime) -> bool:
+def _adopt_attempt(r: Runner, rt: runtime.Runtime) -> bool:
     """Take back the recorded attempt; False when there is nothing to take back
     (no keeper of that identity and no exit status recorded)."""
     try:

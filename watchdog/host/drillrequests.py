@@ -19,7 +19,7 @@ from trainwatch.watch import anomalies
 
 if TYPE_CHECKING:
     from trainwatch.host.supervisor import Supervisor
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
@@ -72,7 +72,7 @@ def drill(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
     return {"job": job, "kind": kind}
 
 
-def _job(sup: Supervisor, name: object) -> JobRunner:
+def _job(sup: Supervisor, name: object) -> Runner:
     for r in sup.runners:
         if r.job.name == name:
             return r

@@ -28,7 +28,7 @@ from trainwatch.types import JobState
 
 if TYPE_CHECKING:
     from trainwatch.host.supervisor import Supervisor
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
@@ -71,7 +71,7 @@ def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer) -> dict[s
     return {"job": r.job.name, "state": r.state.value if r.state else None, "paused": r.paused}
 
 
-def pause(r: JobRunner, paused: bool) -> None:
+def pause(r: Runner, paused: bool) -> None:
     """Keep watching the job, stop acting on its faults (or act again)."""
     if paused != r.paused:
         r.paused = paused
@@ -81,7 +81,7 @@ def pause(r: JobRunner, paused: bool) -> None:
         r.publish()
 
 
-def start(r: JobRunner) -> None:
+def start(r: Runner) -> None:
     """Start a job that ended (stopped, finished, given up), with a fresh budget."""
     if r.state not in (JobState.EXITED, JobState.FATAL, JobState.PAUSED, None):
         raise ValueError(f"job {r.job.name} is {r.state.value}: stop it first")
@@ -89,7 +89,7 @@ def start(r: JobRunner) -> None:
     launch(r, "operator: trainwatch start")
 
 
-def _runner(sup: Supervisor, args: dict[str, Any], peer: Peer) -> JobRunner:
+def _runner(sup: Supervisor, args: dict[str, Any], peer: Peer) -> Runner:
     name = args.get("job")
     for r in sup.runners:
         if r.job.name == name:
@@ -162,7 +162,7 @@ def incidents(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, An
     return {"incidents": rows}
 
 
-def retention_plan(r: JobRunner) -> dict[str, Any]:
+def retention_plan(r: Runner) -> dict[str, Any]:
     """What retention would delete now (checkpoints.keep), and why the rest stays."""
     p = prune.plan(r)
     return {"job": r.job.name, "rules": r.job.checkpoints.keep.deletes,
@@ -171,5 +171,5 @@ def retention_plan(r: JobRunner) -> dict[str, Any]:
             "free_bytes": prune.free_space(r)}
 
 
-def checkpoints(r: JobRunner) -> dict[str, Any]:
+def checkpoints(r: Runner) -> dict[str, Any]:
     return checkpointlist.listing(r.job.name, r.catalog, hand=r.hands.quick)

@@ -32,8 +32,8 @@ from trainwatch.config import Config, Job, socket_path
 from trainwatch.detectors import JobView
 from trainwatch.detectors import next_deadline as detector_deadline
 from trainwatch.export import status
-from trainwatch.export.goodput import Goodput
 from trainwatch.export.events import Events
+from trainwatch.export.goodput import Goodput
 from trainwatch.host import adopt
 from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.drill import DrillNotice

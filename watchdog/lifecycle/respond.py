@@ -17,12 +17,12 @@ from trainwatch.types import Action, Fault, FaultKind, JobState
 from trainwatch.watch import firstfailure
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
 
 
-def on_gpu_fault(r: JobRunner, fault: Fault) -> None:
+def on_gpu_fault(r: Runner, fault: Fault) -> None:
     """A fault of one of this job's GPUs (routed here by the supervisor)."""
     fault = dataclasses.replace(fault, job=r.job.name, onset_step=r.last_step,
                                 evidence=dict(fault.evidence))
@@ -54,17 +54,17 @@ def on_gpu_fault(r: JobRunner, fault: Fault) -> None:
                 reason)
 
 
-def exclude(r: JobRunner, fault: Fault) -> None:
+def exclude(r: Runner, fault: Fault) -> None:
     if r.gpuwatch is not None and fault.gpu is not None:
         r.gpuwatch.exclude(fault.gpu, f"{fault.kind.value} {fault.evidence.get('xid', '')}"
                               f" (job {r.job.name})".replace("  ", " "))
 
 
-def run_exec_hook(r: JobRunner, kind: str, gpu: int | None) -> None:
+def run_exec_hook(r: Runner, kind: str, gpu: int | None) -> None:
     hook.run(r.policy.exec, r.job.name, kind, gpu, r.umask)
 
 
-def keep_series(r: JobRunner, fault: Fault, incident: int) -> None:
+def keep_series(r: Runner, fault: Fault, incident: int) -> None:
     """The lead rank's loss and grad norm around the onset, beside the incident."""
     feed = r.anomalies
     onset = fault.onset_step if fault.onset_step is not None else r.last_step
@@ -77,7 +77,7 @@ def keep_series(r: JobRunner, fault: Fault, incident: int) -> None:
         log.warning("job %s: incident %d: loss series not kept: %s", r.job.name, incident, e)
 
 
-def handle(r: JobRunner, fault: Fault, action: Action | None = None) -> None:
+def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
     a = r.attempt
     assert a is not None
     fault = firstfailure.explain(r, fault)  # a crash: the rank that failed first

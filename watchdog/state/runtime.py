@@ -18,7 +18,7 @@ from trainwatch.state import atomic, statewrites
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 VERSION = 1
 
@@ -50,7 +50,7 @@ class Runtime:
     v: int = VERSION
 
 
-def of(r: JobRunner) -> Runtime:
+def of(r: Runner) -> Runtime:
     """What a restarted daemon needs of the runner ``r`` now (monotonic times
     turned into wall-clock ones)."""
     now, wall = r.clock(), time.time()

@@ -22,7 +22,7 @@ from trainwatch.lifecycle import respond
 from trainwatch.types import Action, Beat, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 
 def _finite(x: float | None) -> bool:
@@ -78,7 +78,7 @@ class LossFeed:
                 "loss_z": z, **h}
 
 
-def check(r: JobRunner, beats: Sequence[Beat], drill: bool = False) -> list[str]:
+def check(r: Runner, beats: Sequence[Beat], drill: bool = False) -> list[str]:
     """Feed a batch of beats; act on the first sustained anomaly (the job is
     then being stopped: the rest of the batch is its own past). What was found,
     as "kind level". An attempt that has exited is judged by its exit, not by
@@ -100,7 +100,7 @@ def check(r: JobRunner, beats: Sequence[Beat], drill: bool = False) -> list[str]
     return found
 
 
-def inject(r: JobRunner, kind: object, scale: object = None, steps: object = None
+def inject(r: Runner, kind: object, scale: object = None, steps: object = None
            ) -> dict[str, object]:
     """A drill (``faultinject nan | grad-spike``): observations marked injected
     (evidence ``source: drill``) enter the job's loss feed as the lead rank's,

@@ -13,10 +13,10 @@ from trainwatch.types import JobState, ProcessExit
 from trainwatch.watch import logwatch
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 
-def check(r: JobRunner) -> None:
+def check(r: Runner) -> None:
     """Act on the attempt's exit, once, if it has exited."""
     a = r.attempt
     if a is None or r.exit_handled == a.number:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from trainwatch.actions.attempt import Attempt
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 _FIRST_SCAN = 1.0
 _MAX_SCAN = 30.0
@@ -58,7 +58,7 @@ class FirstFailure:
         self.scan_every, self.scan_at, self.pending = _FIRST_SCAN, started + _FIRST_SCAN, False
         self.eager_until = started + _EAGER_FOR
 
-    def tick(self, r: JobRunner, now: float) -> None:
+    def tick(self, r: Runner, now: float) -> None:
         """Watch the attempt's rank processes found since the last tick."""
         a = r.attempt
         if a is None or a.closed or r.state not in (JobState.STARTING, JobState.RUNNING):
@@ -95,7 +95,7 @@ def _first_failure(first: RankExit, said: dict[str, object] | None) -> dict[str,
     return out
 
 
-def explain(r: JobRunner, fault: Fault) -> Fault:
+def explain(r: Runner, fault: Fault) -> Fault:
     """The fault with the rank that failed first and how, where it is known."""
     a = r.attempt
     if fault.kind not in _KINDS or a is None:
@@ -115,7 +115,7 @@ def explain(r: JobRunner, fault: Fault) -> Fault:
     return dataclasses.replace(fault, rank=rank, evidence=evidence)
 
 
-def after_stop(r: JobRunner, a: Attempt | None, incident: int) -> None:
+def after_stop(r: Runner, a: Attempt | None, incident: int) -> None:
     """The attempt is gone and its output complete: torchrun's summary, if the
     incident was recorded before it was printed. Then stop watching its ranks."""
     w = r.first_failure

@@ -16,7 +16,7 @@ from trainwatch.types import JobState
 from trainwatch.watch import logwatch, stallwatch
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 # A job that never uses the client counts as running once it has been up this
 # long; one that does counts as running at its first beat.
@@ -25,7 +25,7 @@ RUNNING_WITHOUT_BEATS = 10.0
 _LIVE = (JobState.STARTING, JobState.RUNNING)
 
 
-def check(r: JobRunner, a: Attempt, now: float) -> None:
+def check(r: Runner, a: Attempt, now: float) -> None:
     if r.state is JobState.STARTING and not r.ranks.beaten \
             and now - a.started >= RUNNING_WITHOUT_BEATS:
         r.to(JobState.RUNNING, f"up {RUNNING_WITHOUT_BEATS:g}s without heartbeats")

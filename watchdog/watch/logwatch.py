@@ -17,7 +17,7 @@ from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 _MAX_LINE = 4096  # a longer line is cut for matching (one with no newline for a long time, too)
 
@@ -53,7 +53,7 @@ class LogWatch:
         self.follower.close()
 
 
-def follow(r: JobRunner, a: Attempt, from_end: bool) -> None:
+def follow(r: Runner, a: Attempt, from_end: bool) -> None:
     """The new attempt's log, against the job's rules (none: not followed)."""
     if r.logwatch is not None:
         r.logwatch.close()
@@ -62,7 +62,7 @@ def follow(r: JobRunner, a: Attempt, from_end: bool) -> None:
     r.logwatch = LogWatch(str(a.log_path), compile_rules(rules), from_end) if rules else None
 
 
-def check(r: JobRunner, now: float) -> None:
+def check(r: Runner, now: float) -> None:
     """Match the job's new output; act on the first rule that fires with an action
     other than alert (the job is then being stopped)."""
     w = r.logwatch

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from trainwatch.types import CheckpointReport
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import JobParts
 
 log = logging.getLogger("trainwatch")
 
@@ -40,7 +40,7 @@ class Refusals:
         return f"{self.count} refused ({reasons}){newest}"
 
 
-def refused(r: JobRunner, obs: CheckpointReport) -> None:
+def refused(r: JobParts, obs: CheckpointReport) -> None:
     """The catalog refused ``obs`` (its reason in ``r.catalog.refusal``)."""
     reason = r.catalog.refusal or "not_named"
     rf = r.refused

@@ -21,7 +21,7 @@ from trainwatch.sources.procs import Sampler
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
 
 _SAMPLE_AFTER = 1.0  # no rank advanced this long: sample the processes (for CPU rates)
 _MIN_SAMPLES = 20  # step intervals before the stall timeout is learned
@@ -43,7 +43,7 @@ class StallWatch:
         self.gpu_faults.append(fault)
 
 
-def _view(r: JobRunner, now: float, sample: bool) -> StallView:
+def _view(r: Runner, now: float, sample: bool) -> StallView:
     w = r.stall
     snap = r.ranks.snapshot(now, _MIN_SAMPLES)
     procs = w.sampler.sample(r.ranks.pids()) if sample else {}
@@ -52,14 +52,14 @@ def _view(r: JobRunner, now: float, sample: bool) -> StallView:
     return StallView(now, snap.ranks, snap.intervals_p99, procs, tuple(w.gpu_faults), by_rank)
 
 
-def _newest_advance(r: JobRunner) -> float | None:
+def _newest_advance(r: Runner) -> float | None:
     """The last time any rank (of two or more that beat twice) advanced; None:
     not armed. Straight from the ranks: this runs at every turn of the loop."""
     judges = [x.advanced_at for x in r.ranks.ranks.values() if x.beats >= 2]
     return max(judges) if len(judges) >= 2 else None
 
 
-def deadline(r: JobRunner, now: float) -> float | None:
+def deadline(r: Runner, now: float) -> float | None:
     """When a stall could next be decided (for the loop's sleep)."""
     w = r.stall
     if not r.ranks.beaten:
@@ -73,7 +73,7 @@ def deadline(r: JobRunner, now: float) -> float | None:
     return d
 
 
-def check(r: JobRunner, now: float) -> None:
+def check(r: Runner, now: float) -> None:
     """Judge the job's ranks now; a stall is handled (respond.py)."""
     w, a = r.stall, r.attempt
     if a is None or r.state not in (JobState.STARTING, JobState.RUNNING):
@@ -97,7 +97,7 @@ def check(r: JobRunner, now: float) -> None:
         _act(r, fault)
 
 
-def _check_silent(r: JobRunner, now: float) -> None:
+def _check_silent(r: Runner, now: float) -> None:
     w, a = r.stall, r.attempt
     assert a is not None
     if w.settings.silence is None or a.closed:
@@ -117,7 +117,7 @@ def _check_silent(r: JobRunner, now: float) -> None:
         _act(r, fault)
 
 
-def _gpu_utilization(r: JobRunner) -> dict[str, float]:
+def _gpu_utilization(r: Runner) -> dict[str, float]:
     """The last utilisation polled of each of the attempt's GPUs (a stalled
     collective leaves them idle; a stuck kernel keeps one busy)."""
     w, a = r.gpuwatch, r.attempt
@@ -132,7 +132,7 @@ def _gpu_utilization(r: JobRunner) -> dict[str, float]:
     return out
 
 
-def _act(r: JobRunner, fault: Fault) -> None:
+def _act(r: Runner, fault: Fault) -> None:
     extra: dict[str, object] = {}
     if r.take_drill("nccl_stall", "hang") is not None:
         extra["source"] = "drill"
