@@ -27,7 +27,8 @@ JOB = "jobs: [{name: train, command: [python, train.py]}]\n"
 NAME_RULE = "a name of letters, digits, '_', '.', '-' (at most 63)"
 COMMAND_RULE = "a non-empty list of strings (the command and its arguments)"
 DURATION_RULE = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"
-TOP_KEYS = "gpu, jobs, metrics, observe_only, policies, removed_jobs, run_dir, state_dir"
+TOP_KEYS = ("gpu, host, jobs, metrics, observe_only, policies, removed_jobs, run_dir,"
+            " state_dir")
 DETECTED = ", ".join(sorted(k.value for k in DETECTED_KINDS))
 ALL_ACTIONS = "alert, restart, rollback, restart_exclude_gpu, exec, stop"
 LONG_RUN_DIR = "/" + "r" * 100  # 101 bytes; /jobs/train.sock makes it 117 > 107

@@ -166,7 +166,7 @@ HOSTILE: list[object] = [
         _job(retries="3"),
         "jobs.j.retries: expected one of anomalies, checkpoints, command, env, env_passthrough,"
         " evidence, gpus,"
-        " group, heartbeat, logs, name, policy, resume_args, stall, user, workdir, got an"
+        " group, heartbeat, logs, name, nodes, policy, resume_args, stall, user, workdir, got an"
         " unknown key",
         id="unknown-job-key-named-by-job",
     ),
@@ -174,7 +174,7 @@ HOSTILE: list[object] = [
         "jobs: [{name: 'my job', command: [x], retries: 3}]\n",
         "jobs[0].retries: expected one of anomalies, checkpoints, command, env, env_passthrough,"
         " evidence, gpus,"
-        " group, heartbeat, logs, name, policy, resume_args, stall, user, workdir, got an"
+        " group, heartbeat, logs, name, nodes, policy, resume_args, stall, user, workdir, got an"
         " unknown key",
         id="unknown-job-key-by-index-without-a-usable-name",
     ),

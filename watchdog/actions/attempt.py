@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from trainwatch.actions import credentials, kept, passthrough
@@ -102,6 +103,7 @@ class Attempt:
         umask: int = -1,
         skip: tuple[int, int] | None = None,
         foreground: bool = False,
+        env_defaults: Mapping[str, str] | None = None,
     ) -> None:
         self._common(job, number, resume_from, resumed_step, gpus)
         ident = credentials.resolve(job.user, job.group)
@@ -115,7 +117,7 @@ class Attempt:
         if not self._make_ring_dir(ident):
             self.ring_dir = None
         env = job_env(job, socket, number, resume_from, os.environ, gpus, ident, self.ring_dir,
-                      skip, foreground)
+                      skip, foreground, env_defaults)
         drop = ident is not None and os.geteuid() == 0  # as credentials.child_setup decides
         spec = {
             "argv": job_argv(job, resume_from, gpus), "env": env, "cwd": job.workdir,

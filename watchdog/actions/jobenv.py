@@ -84,10 +84,14 @@ def job_env(
     job: Job, socket: str, attempt: int, resume_from: str | None, ours: Mapping[str, str],
     gpus: list[int] | None = None, ident: Identity | None = None,
     ring_dir: str | None = None, skip: tuple[int, int] | None = None,
-    foreground: bool = True,
+    foreground: bool = True, defaults: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
+    """``defaults``: set unless the job's environment has them (the job's own value
+    wins: a job across hosts, multihost/torchrun.py)."""
     env = base(job, ident, foreground, ours)
     env.update(job.env)
+    for k, v in (defaults or {}).items():
+        env.setdefault(k, v)
     env["TRAINWATCH_SOCKET"] = socket
     env["TRAINWATCH_JOB"] = job.name
     env["TRAINWATCH_ATTEMPT"] = str(attempt)

@@ -8,11 +8,15 @@ import logging
 import os
 import selectors
 import statistics
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from trainwatch.actions import attemptfiles, evidence, fresh, pull, verify
 from trainwatch.actions.attempt import Attempt
+from trainwatch.config import Job
 from trainwatch.lifecycle import respond
+from trainwatch.multihost import torchrun
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import JobState
@@ -24,6 +28,25 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 _VERIFY_POLL = 0.05  # while a relaunch waits for its checkpoint's verification
+
+
+def _across_hosts(r: Runner, job: Job) -> tuple[Job, Mapping[str, str]] | None:
+    """The job as started, and the variables it gets unless its environment has
+    them: a job that spans hosts runs its torchrun command as multihost/torchrun.py
+    settles it, said once per launch; None (FATAL) when that cannot be done."""
+    if job.nodes is None:
+        return job, {}
+    try:
+        p = torchrun.plan(job.command, job.nodes, r.config.host, job.env)
+    except torchrun.SpanError as e:  # refused at load; a command from elsewhere is not
+        what = f"jobs.{job.name}.command: {e}"
+        log.error("job %s: %s", job.name, what)
+        r.to(JobState.FATAL, what)
+        return None
+    log.info("%s", torchrun.said(job.name, job.nodes, p))
+    for w in p.warnings:
+        log.warning("job %s: %s", job.name, w)
+    return replace(job, command=p.argv, env={**job.env, **p.env}), p.env_defaults
 
 
 def launch(r: Runner, reason: str) -> None:
@@ -59,9 +82,13 @@ def launch(r: Runner, reason: str) -> None:
         r.to(JobState.FATAL, why)
         return
     r.number += 1
+    spanning = _across_hosts(r, evidence.job_for_attempt(r, r.number))
+    if spanning is None:
+        return
+    job, env_defaults = spanning
     try:
         a = Attempt(
-            evidence.job_for_attempt(r, r.number),
+            job,
             r.number,
             r.socket_path,
             cp.path if cp else None,
@@ -74,6 +101,7 @@ def launch(r: Runner, reason: str) -> None:
             skip=r.skip[:2] if r.skip else None,
             # trainwatch run (the job dies with it): its user's environment (jobenv.py)
             foreground=r.die_with_parent,
+            env_defaults=env_defaults,
         )
     except (OSError, KeyError) as e:  # KeyError: no such user
         why = f"no such user {r.job.user!r}"

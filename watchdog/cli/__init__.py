@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -23,6 +24,7 @@ from trainwatch.config import (
     socket_problem,
 )
 from trainwatch.config.sections import REMOTE_LAYOUTS
+from trainwatch.multihost import torchrun
 
 DEFAULT_CONFIG = "/etc/trainwatch/trainwatch.yaml"
 LAYOUTS = fields.LAYOUTS
@@ -116,6 +118,11 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
         if args.command:
             check_command(args.command, config.gpu.backend, lambda n: f"-- CMD: argument {n}")
             job = replace(job, command=tuple(args.command))
+            if job.nodes is not None:  # the job spans hosts: torchrun, --nnodes as nodes
+                try:
+                    torchrun.plan(job.command, job.nodes, "", job.env)
+                except torchrun.SpanError as e:
+                    raise ConfigError(f"-- CMD: {e}") from None
     else:
         if not args.command:
             raise ConfigError("trainwatch run: expected a command after --, got nothing")
@@ -209,6 +216,7 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
         config,
         jobs=(job,),
         policies=policies,
+        host=_host(args.host) if args.host is not None else config.host,
         state_dir=args.state_dir or config.state_dir,
         run_dir=args.run_dir or config.run_dir,
         observe_only=config.observe_only or args.observe_only,
@@ -222,6 +230,14 @@ def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
         where = "--run-dir" if args.run_dir else f"{config.source}: run_dir"
         raise ConfigError(f"{where}: {problem}")
     return config, job
+
+
+def _host(text: str) -> str:
+    """--host: this host's name, as config's ``host:`` (two "hosts" on one machine)."""
+    try:
+        return fields.host(text)
+    except ValueError:
+        raise ConfigError(f"--host: expected {fields.HOST}, got {fields.show(text)}") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -238,12 +254,13 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     from trainwatch.host.service import journal_handler
 
     load(args.config)  # a bad config: one line, before anything starts
+    host = _host(args.host) if args.host is not None else None
     journal = journal_handler()
     if journal is not None:  # under systemd: structured fields (TRAINWATCH_JOB=...)
         logging.basicConfig(level=logging.INFO, handlers=[journal])
     else:
         _setup_logging(False)
-    return daemon_main(args.config)
+    return daemon_main(args.config, host)
 
 
 def cmd_clear_gpu(args: argparse.Namespace) -> int:
@@ -270,7 +287,20 @@ def cmd_check_config(args: argparse.Namespace) -> int:
                   "is not a folder here (mistyped? every relaunch would start from scratch)",
                   file=sys.stderr)
     print(f"{args.file}: ok ({len(config.jobs)} job(s): {names})")
+    for j in config.jobs:
+        if j.nodes is not None:
+            _say_span(args.file, config.host, j, j.nodes)
     return 0
+
+
+def _say_span(file: str, host: str, j: Job, nodes: tuple[int, int]) -> None:
+    """A job across hosts: its span and the torchrun command trainwatch runs."""
+    p = torchrun.plan(j.command, nodes, host, j.env)  # checked at load
+    for w in p.warnings:
+        print(f"trainwatch: warning: {file}: jobs.{j.name}.command: {w}", file=sys.stderr)
+    env = {**p.env_defaults, **{k: j.env[k] for k in p.env_defaults if k in j.env}, **p.env}
+    print(f"job {j.name}: spans {torchrun.span(nodes)} hosts (this one: {host}); runs "
+          f"{shlex.join(p.argv)}; with " + " ".join(f"{k}={v}" for k, v in env.items()))
 
 
 def _default_run_dir() -> str:
@@ -300,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--config", help="a YAML config (see config/trainwatch.yaml)")
     r.add_argument("--name", help="the job's name (with --config: which job)")
+    r.add_argument("--host", help="this host's name (default: config's host, else the "
+                   "hostname); for several \"hosts\" on one machine")
     r.add_argument("--state-dir", help="ledger, logs and state")
     r.add_argument("--run-dir", help="where the heartbeat socket lives")
     r.add_argument("--checkpoint-dir", help="where the job writes checkpoints")
@@ -353,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     dm = sub.add_parser("daemon", help="supervise every job of a config (the service)")
     dm.add_argument("--config", default=DEFAULT_CONFIG, help=f"default {DEFAULT_CONFIG}")
+    dm.add_argument("--host", help="this host's name (default: config's host, else the "
+                    "hostname)")
     dm.set_defaults(fn=cmd_daemon)
 
     cg = sub.add_parser("clear-gpu", help="put an excluded GPU back in service")

@@ -80,9 +80,12 @@ __all__ = [
 ]
 
 # Plain YAML scalars kept as the text the user wrote (`--epochs, 3`, `X: 010`,
-# `backend: off`, which YAML 1.1 reads as false, `name: 2024`).
+# `backend: off`, which YAML 1.1 reads as false, `name: 2024`, `nodes: 2:4`, which
+# YAML 1.1 reads as the base-60 number 124).
 _AS_TEXT = (
     ("gpu", "backend"),
+    ("host",),
+    ("jobs", "*", "nodes"),
     ("jobs", "*", "name"),
     ("jobs", "*", "command", "*"),
     ("jobs", "*", "resume_args", "*"),

@@ -11,6 +11,8 @@ import math
 import re
 from typing import Any
 
+from trainwatch.multihost.torchrun import parse_nodes  # pure: it imports nothing of config
+
 MAX_DURATION = 10 * 365 * 86400.0  # no timeout, window or backoff is longer than 10 years
 MAX_RANKS = 1 << 20  # a declared world size beyond any job of today
 MAX_ID = (1 << 32) - 2  # uid_t/gid_t; 2**32 - 1 is (uid_t)-1, "leave unchanged", never an id
@@ -20,6 +22,7 @@ _DURATION = re.compile(
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 _SHOWN = 60  # characters of a found value shown in a message
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+HOST_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")  # whole: fullmatch
 
 
 class Refused(ValueError):
@@ -249,6 +252,22 @@ def pattern(v: object) -> str:
     return v
 
 
+def host(v: object) -> str:
+    """This host's name in incidents and group records (``host:``, ``--host``)."""
+    if not isinstance(v, str) or not HOST_RE.fullmatch(v):
+        raise ValueError(v)
+    return v
+
+
+def nodes(v: object) -> tuple[int, int]:
+    """A job's span across hosts: N or "MIN:MAX", as torchrun's --nnodes."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = str(v)
+    if not isinstance(v, str):
+        raise ValueError(v)
+    return parse_nodes(v)
+
+
 def backend(v: object) -> str:
     if v not in ("auto", "nvml", "sim", "off"):
         raise ValueError(v)
@@ -306,6 +325,9 @@ POSITIVE_NUMBER = "a finite number > 0"
 USER = f"a user name, or a uid from 0 to {MAX_ID}"
 GROUP = f"a group name, or a gid from 0 to {MAX_ID}"
 RANKS = f"an integer from 1 to {MAX_RANKS} (the job's world size), or null"
+HOST = "a host name of 1-64 letters, digits, '.', '_', '-'"
+NODES = ('a host count N or "MIN:MAX" (torchrun\'s --nnodes; 1 <= MIN <= MAX, quoted or'
+         ' not)')
 
 CHECKS: dict[str, Any] = {
     STR: text,
@@ -327,5 +349,7 @@ CHECKS: dict[str, Any] = {
     "a file name pattern with one {step} and no '/'": pattern,
     "auto, nvml, sim or off": backend,
     LAYOUT: layout,
+    HOST: host,
+    NODES: nodes,
     REMOTE: remote,
 }

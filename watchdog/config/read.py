@@ -7,6 +7,7 @@ what was expected and what was found.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,7 @@ from trainwatch.config.schema import (
     default_dirs,
 )
 from trainwatch.detectors.xid import Immediate
+from trainwatch.multihost import torchrun
 from trainwatch.types import DETECTED_KINDS, Action, FaultKind
 
 MAX_SIM_GPUS = 1024
@@ -211,7 +213,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
     usable = isinstance(said, str) and fields.NAME_RE.match(said) and said not in seen
     m = r.mapping(raw, f"jobs.{said}" if usable else f"jobs[{i}]", {
         "name", "command", "workdir", "user", "group", "env", "env_passthrough", "resume_args",
-        "checkpoints",
+        "checkpoints", "nodes",
         "heartbeat", "policy", "gpus", "anomalies", "logs", "stall", "evidence",
     })
     if not m:
@@ -243,6 +245,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
     _check_exec_size(r, path, command, resume_args, env)
 
     checkpoints = sections.checkpoints(r, m.get("checkpoints"), f"{path}.checkpoints")
+    nodes = _nodes(r, m, path, command, env, checkpoints.dir)
     heartbeat = _heartbeat(r, m.get("heartbeat"), f"{path}.heartbeat")
 
     policy = r.get(m, "policy", path, _STR, "default")
@@ -272,6 +275,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         workdir=r.get(m, "workdir", path, _STR, None),
         user=r.get(m, "user", path, fields.USER, None),
         group=r.get(m, "group", path, fields.GROUP, None),
+        nodes=nodes,
         env=env,
         env_passthrough=passthrough,
         resume_args=resume_args,
@@ -283,6 +287,24 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         stall=sections.stall(r, m.get("stall"), f"{path}.stall"),
         evidence=sections.evidence(r, m.get("evidence"), f"{path}.evidence"),
     )
+
+
+def _nodes(r: Reader, m: Mapping[str, Any], path: str, command: tuple[str, ...],
+           env: Mapping[str, str], folder: str | None) -> tuple[int, int] | None:
+    """``nodes``: the job spans hosts, through the torchrun command it runs
+    (multihost/torchrun.py), resuming from a folder every host sees."""
+    nodes: tuple[int, int] | None = r.get(m, "nodes", path, fields.NODES, None)
+    if nodes is None:
+        return None
+    if folder is None:
+        raise r.fail(f"{path}.checkpoints.dir", "the folder every host sees (a job with nodes"
+                     " spans hosts; every rank resumes from the same checkpoint)",
+                     Said("none"))
+    try:
+        torchrun.plan(command, nodes, "", env)
+    except torchrun.SpanError as e:
+        raise ConfigError(f"{r.source}: {path}.command: {e}") from None
+    return nodes
 
 
 def check_command(command: Sequence[str], backend: str, where: Any) -> None:
@@ -324,7 +346,7 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
     """Validate a parsed YAML document into a Config."""
     r = Reader(source)
     keys = {"state_dir", "run_dir", "metrics", "gpu", "jobs", "policies", "observe_only",
-            "removed_jobs"}
+            "removed_jobs", "host"}
     m = r.mapping(raw, "", keys)
     state_default, run_default = default_dirs()
 
@@ -363,6 +385,7 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         observe_only=r.get(m, "observe_only", "", "true or false", False),
         removed_jobs=_removed(r, m.get("removed_jobs", "keep")),
         source=source,
+        host=r.get(m, "host", "", fields.HOST, None) or socket.gethostname(),
     )
 
 

@@ -4,6 +4,7 @@ them alone: default folders and each job's socket path."""
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -186,6 +187,9 @@ class Job:
     policy: str = "default"
     gpus: Gpus = field(default_factory=lambda: Gpus())
     group: str | None = None  # the job's primary group; None: the user's own
+    # The job spans hosts (torchrun's --nnodes MIN:MAX; multihost/torchrun.py); None:
+    # this host only. Not `group`, which is the Unix group above.
+    nodes: tuple[int, int] | None = None
     anomalies: Anomalies = field(default_factory=Anomalies)
     logs: Logs = field(default_factory=Logs)
     stall: StallSettings = field(default_factory=StallSettings)
@@ -228,6 +232,9 @@ class Config:
     observe_only: bool = False
     removed_jobs: str = "keep"  # a reload: keep running unwatched, or stop
     source: str = "<defaults>"
+    # This host's name in incidents and group records (`host:`, or --host for tests
+    # that run several "hosts" on one machine).
+    host: str = field(default_factory=socket.gethostname)
 
     def policy_for(self, job: Job) -> Policy:
         return self.policies[job.policy]

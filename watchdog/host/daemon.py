@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from dataclasses import replace
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler  # type: ignore[import-untyped]
@@ -37,9 +38,12 @@ _CATALOG_EVERY = 10.0  # checkpoint scans
 
 
 class Daemon(Supervisor):
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, host: str | None = None) -> None:
         self.service = Service()
         self._reload_asked = False
+        self._host = host  # --host: it outlives a reload of the file
+        if host is not None:
+            config = replace(config, host=host)
         super().__init__(config)
         self.scheduler = BackgroundScheduler(
             job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
@@ -131,6 +135,8 @@ class Daemon(Supervisor):
                                "removed": [], "unchanged": []}
         try:
             new = load(source)
+            if self._host is not None:
+                new = replace(new, host=self._host)
             for j in new.jobs:
                 self.check_job(j)
             if (new.state_dir, new.run_dir) != (self.config.state_dir, self.config.run_dir):
@@ -174,10 +180,10 @@ def ended(r: JobRunner) -> bool:
     return r.state in (JobState.EXITED, JobState.FATAL, JobState.PAUSED)
 
 
-def main(config_path: str) -> int:
+def main(config_path: str, host: str | None = None) -> int:
     config = load(config_path)
     started = time.monotonic()
-    d = Daemon(config)
+    d = Daemon(config, host)
     log.info("trainwatch daemon: %d jobs from %s (%.0f ms to open)", len(d.runners),
              config.source, 1000 * (time.monotonic() - started))
     return d.run()
