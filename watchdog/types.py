@@ -26,8 +26,10 @@ class JobState(str, enum.Enum):
 # Every allowed transition. Anything else is a bug and raises (Supervisor's
 # process.py asserts the same way).
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING}),
-    JobState.RUNNING: frozenset({JobState.STOPPING}),
+    # STARTING again without a launch: a multi-host job's agent restarts its workers
+    # in the group's new round (multihost/group.py).
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.STOPPING, JobState.STARTING}),
+    JobState.RUNNING: frozenset({JobState.STOPPING, JobState.STARTING}),
     JobState.STOPPING: frozenset(
         {JobState.BACKOFF, JobState.EXITED, JobState.FATAL, JobState.PAUSED}
     ),

@@ -16,7 +16,7 @@ from trainwatch.actions import attemptfiles, evidence, fresh, pull, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.config import Job
 from trainwatch.lifecycle import respond
-from trainwatch.multihost import torchrun
+from trainwatch.multihost import group, torchrun
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import JobState
@@ -82,7 +82,7 @@ def launch(r: Runner, reason: str) -> None:
         r.to(JobState.FATAL, why)
         return
     r.number += 1
-    spanning = _across_hosts(r, evidence.job_for_attempt(r, r.number))
+    spanning = _across_hosts(r, group.job_for_attempt(r, evidence.job_for_attempt(r, r.number)))
     if spanning is None:
         return
     job, env_defaults = spanning

@@ -219,6 +219,13 @@ class JobTree:
         finally:
             os.close(fd)
 
+    def signal_each(self, sig: int, pids: Iterable[int]) -> None:
+        """Send sig to each of ``pids`` proven a member, and to nothing else (a
+        multi-host job's workers, whose launcher lives on and restarts them)."""
+        if not self.closed:
+            for pid in set(pids) - {self._me}:
+                self._send(pid, sig)
+
     def signal(self, sig: int, pids: Iterable[int]) -> None:
         """Send sig to every member (and to each of pids that is proven ours).
         Nothing once closed: the pids it knew may be strangers' now."""

@@ -38,6 +38,7 @@ from trainwatch.host import adopt
 from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.drill import DrillNotice
 from trainwatch.lifecycle.policy import RestartHistory, XidHistory
+from trainwatch.multihost import group
 from trainwatch.privsep import jobhands
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime, verifier
@@ -147,6 +148,7 @@ class JobRunner:
         self.checkpoints = Summary()
         self.checkpoints_at = 0.0
         self.outages = Goodput()
+        self.group = group.for_job(config, job)  # a job across hosts: its group
 
     # --- state ---------------------------------------------------------------
 

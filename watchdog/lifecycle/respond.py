@@ -13,6 +13,7 @@ from trainwatch.actions import stop as stopping
 from trainwatch.evidence import series
 from trainwatch.evidence.show import folder
 from trainwatch.lifecycle.policy import choose, decide
+from trainwatch.multihost import group
 from trainwatch.types import Action, Fault, FaultKind, JobState
 from trainwatch.watch import firstfailure
 
@@ -157,6 +158,8 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
         rollback.apply(r, plan, incident)
     if action is Action.STOP or fatal:
         stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
+        return
+    if group.act(r, fault, incident, reason):  # a multi-host job: its group restarts
         return
     r.pending_incident = incident
     stop(JobState.BACKOFF, f"{fault.kind.value}: {reason}", delay or 0.0)

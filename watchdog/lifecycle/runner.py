@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from trainwatch.export.goodput import Goodput
     from trainwatch.lifecycle.drill import DrillNotice
     from trainwatch.lifecycle.policy import RestartHistory, XidHistory
+    from trainwatch.multihost.group import Group
     from trainwatch.privsep.jobhands import JobHands
     from trainwatch.sources.heartbeat import HeartbeatSocket
     from trainwatch.sources.ranks import Ranks
@@ -118,6 +119,7 @@ class Runner(JobParts, Protocol):
     pending_incident: int | None
     last_incident: int
     skip: tuple[int, int, int] | None
+    group: Group | None  # a job across hosts (multihost/group.py)
     paused: bool
     drill: DrillNotice | None
     exit_handled: int

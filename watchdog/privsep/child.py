@@ -48,7 +48,7 @@ _ALWAYS = ("importlib.readers", "importlib.resources", "encodings.idna", "zipfil
            "trainwatch.layouts", "trainwatch.state.checkpointlayout", "trainwatch.state.manifest",
            "trainwatch.state.retention", "trainwatch.state.catalog",
            "trainwatch.snapshot.blobs", "trainwatch.snapshot.format",
-           "trainwatch.evidence.flightrecorder")
+           "trainwatch.evidence.flightrecorder", "trainwatch.multihost.records")
 
 _PR_SET_DUMPABLE = 4
 try:  # loaded here, in the daemon, before any fork (the hand loads nothing of libc's)

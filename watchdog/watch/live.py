@@ -12,6 +12,7 @@ from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.tree import stopped_ranks
 from trainwatch.detectors import run as run_detectors
 from trainwatch.lifecycle import respond
+from trainwatch.multihost import group
 from trainwatch.types import JobState
 from trainwatch.watch import logwatch, stallwatch
 
@@ -30,6 +31,9 @@ def check(r: Runner, a: Attempt, now: float) -> None:
             and now - a.started >= RUNNING_WITHOUT_BEATS:
         r.to(JobState.RUNNING, f"up {RUNNING_WITHOUT_BEATS:g}s without heartbeats")
     r.first_failure.tick(r, now)  # the rank processes, watched
+    group.check(r, a, now)  # a multi-host job: a rank's own end, a peer's restart
+    if r.state not in _LIVE:
+        return
     logwatch.check(r, now)
     stallwatch.check(r, now)
     if r.state not in _LIVE or r.hang_latched:

@@ -1,0 +1,140 @@
+"""One job across two "hosts" on this machine: two trainwatch processes (each
+its own state, run dir and host name), each running a torchrun agent of one
+`--nnodes=2` job (c10d rendezvous on 127.0.0.1, gloo), one rank per host, a
+checkpoint folder both see. A fault on one host is one group restart: every
+rank resumes from the same checkpoint, each host records one incident of it
+under one restart number, and the run ends with the fault-free run's weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from conftest import Workspace, finish, free_port, wait_for
+
+STEPS = 80
+
+# Deterministic (float64; an all-reduce of two ranks is one addition): w moves
+# toward TARGET by the two ranks' gradients. Rank 0 checkpoints every step, as
+# a folder renamed into place with a marker inside; every rank journals where
+# it started.
+_TRAINER = textwrap.dedent(
+    """
+    import datetime, json, os, sys, time
+    import torch
+    import torch.distributed as dist
+    from trainwatch import client
+    ckpt, journal, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    target = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
+    w, start = torch.zeros(4, dtype=torch.float64), 0
+    if client.resume_from():
+        state = torch.load(os.path.join(client.resume_from(), "state.pt"))
+        w, start = state["w"], state["step"]
+    with open(journal, "a") as f:
+        f.write(json.dumps({"rank": rank, "host": os.environ["TRAINWATCH_HOST"],
+                            "pid": os.getpid(), "start": start}) + "\\n")
+    hb = client.connect()
+    for step in range(start + 1, steps + 1):
+        g = (w - target) * (rank + 1)
+        dist.all_reduce(g)
+        w = w - 0.05 * g / world
+        hb.beat(step, loss=float(((w - target) ** 2).sum()))
+        if rank == 0:
+            d = os.path.join(ckpt, f"step_{step}")
+            os.makedirs(d + ".tmp", exist_ok=True)
+            torch.save({"w": w, "step": step}, os.path.join(d + ".tmp", "state.pt"))
+            open(os.path.join(d + ".tmp", "done"), "w").close()
+            os.rename(d + ".tmp", d)
+        time.sleep(0.1)
+    if rank == 0:
+        with open(os.path.join(os.path.dirname(journal), "final.json"), "w") as f:
+            json.dump({"w": w.tolist()}, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _fault_free() -> list[float]:
+    """The weights a run without faults ends with (the trainer's arithmetic)."""
+    target = [1.0, -2.0, 0.5, 3.0]
+    w = [0.0] * 4
+    for _ in range(STEPS):
+        g = [(wi - ti) * 1 + (wi - ti) * 2 for wi, ti in zip(w, target, strict=True)]
+        w = [wi - 0.05 * gi / 2 for wi, gi in zip(w, g, strict=True)]
+    return w
+
+
+def _hosts(tmp_path: Path) -> tuple[Workspace, Workspace, Path, Path]:
+    ckpt, journal = tmp_path / "ckpt", tmp_path / "journal.jsonl"
+    ckpt.mkdir()
+    script = tmp_path / "trainer.py"
+    script.write_text(_TRAINER)
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=tw-group", "--monitor-interval=0.1", str(script), str(ckpt),
+               str(journal), str(STEPS)]
+    hosts = []
+    for name in ("hA", "hB"):
+        ws = Workspace(tmp_path / name)
+        ws.root.mkdir()
+        cfg = ws.config({"command": command, "nodes": 2, "resume_args": [],
+                         "checkpoints": {"dir": str(ckpt), "pattern": "step_{step}",
+                                         "marker": "done"}},
+                        host=name)
+        hosts.append((ws, cfg))
+    (a, cfg_a), (b, cfg_b) = hosts
+    a.run(cfg_a)
+    b.run(cfg_b)
+    return a, b, journal, ckpt
+
+
+def _journal(path: Path) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x]
+
+
+def test_a_rank_killed_on_one_host_restarts_the_group_once_from_one_checkpoint(
+        tmp_path: Path) -> None:
+    """SIGKILL of host B's rank: both ranks resume from the same step, each host
+    records one incident naming group restart 1 that began on hB, each charges
+    it once, and the final weights are the fault-free run's."""
+    a, b, journal, _ = _hosts(tmp_path)
+    try:
+        wait_for(lambda: (b.status().get("step") or 0) >= 12, timeout=120,
+                 what="host B's rank to reach step 12")
+        victim, rank = next((int(e["pid"]), e["rank"])  # type: ignore[call-overload]
+                            for e in _journal(journal) if e["host"] == "hB")
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_for(lambda: len(_journal(journal)) >= 4, timeout=120,
+                 what="both ranks to start again")
+        back = time.monotonic() - t0
+        wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
+                 what="the run to finish")
+    finally:
+        for ws in (a, b):
+            for p in ws.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+        outs = [finish(p, timeout=60)[1] for ws in (a, b) for p in ws.procs]
+    runs = _journal(journal)
+    starts = [e["start"] for e in runs]
+    assert starts[:2] == [0, 0] and len(runs) == 4, (runs, outs[0][-3000:], outs[1][-3000:])
+    assert starts[2] == starts[3] and isinstance(starts[2], int) and starts[2] >= 10, runs
+    incs = {name: ws.incidents() for name, ws in (("hA", a), ("hB", b))}
+    for name, got in incs.items():
+        assert len(got) == 1, (name, got, outs)
+        ev = json.loads(got[0]["evidence"])
+        assert (ev.get("group_restart"), ev.get("began")) == (1, f"hB rank {rank}"), (name, ev)
+    final = json.loads((tmp_path / "final.json").read_text())["w"]
+    assert final == _fault_free(), (final, _fault_free())
+    print(f"group back in {back:.1f}s from step {starts[2]}")

@@ -1,0 +1,255 @@
+"""A multi-host job's side of its group (``jobs[].nodes``): every host's daemon
+runs the same job, a torchrun agent of its own, and torchrun's rendezvous
+restarts the group: when one host's workers end, every agent restarts its own
+(the others learn of it through the rendezvous, or their collectives fail).
+
+So a fault anywhere is one **group restart** (records.py): the host that acts
+on it first records it with the decision every rank resumes from (the
+client reads it: ``resume_from()``, ``skip_steps()``); each host records one
+incident of it, charges it once to its budget, and ends only its own
+workers: its agent lives on and restarts them in the new round. A host whose
+agent itself ended relaunches it (the usual way), into the same restart.
+
+Here: the rank that ends by itself while its agent lives (a crash the agent
+restarts, never seen as the agent's exit), a peer's restart (looked for every
+``POLL`` seconds), and the round that begins after either."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import psutil
+from trainwatch.multihost import records
+from trainwatch.privsep.hand import HandError
+from trainwatch.sources.rankexits import rank_processes
+from trainwatch.sources.ranks import Ranks
+from trainwatch.state.ledger import Relaunch
+from trainwatch.types import Action, Fault, FaultKind, JobState
+
+if TYPE_CHECKING:
+    from trainwatch.actions.attempt import Attempt
+    from trainwatch.config import Config, Job
+    from trainwatch.lifecycle.runner import Runner
+
+log = logging.getLogger("trainwatch")
+
+POLL = 0.5  # seconds between two looks for a peer's restart
+_TIMEOUT = 5.0  # one hand call on the shared folder
+UNKNOWN_GRACE = 2.0  # a rank's exit of unknown status, while its agent lives: a failure
+
+
+@dataclass
+class Group:
+    root: str  # the checkpoint folder every host sees
+    host: str
+    base: int | None = None  # the newest restart when this daemon first looked
+    gen: int = 0  # the newest restart this host took part in
+    poll_at: float = 0.0
+    # The rank processes of the rounds before: their exits are the restart's, not new faults.
+    before: set[int] = field(default_factory=set)
+    exits_seen: int = 0
+
+
+def for_job(config: Config, job: Job) -> Group | None:
+    if job.nodes is None or job.checkpoints.dir is None:
+        return None
+    return Group(job.checkpoints.dir, config.host)
+
+
+def _call(r: Runner, fn: Any, *args: Any) -> Any:
+    try:
+        return r.hands.quick.call(fn, *args, timeout=_TIMEOUT)
+    except HandError as e:
+        log.error("job %s: the group's records in %s: %s", r.job.name,
+                  records.folder(r.job.checkpoints.dir or "?"), e)
+        return None
+
+
+def _baseline(r: Runner, g: Group) -> None:
+    if g.base is None:
+        got = _call(r, records.current_in_hand, g.root)
+        g.base = g.gen = got if isinstance(got, int) and got >= 0 else 0
+
+
+def env(r: Runner) -> dict[str, str]:
+    """What the job's ranks read the group's decisions by (client.resume_from())."""
+    g = r.group
+    if g is None:
+        return {}
+    _baseline(r, g)
+    return {"TRAINWATCH_GROUP_DIR": records.folder(g.root),
+            "TRAINWATCH_GROUP_GEN": str(g.base or 0)}
+
+
+def job_for_attempt(r: Runner, job: Job) -> Job:
+    extra = env(r)
+    return dataclasses.replace(job, env={**job.env, **extra}) if extra else job
+
+
+def _leader_alive(a: Attempt) -> bool:
+    return a.returncode is None and not a.closed
+
+
+def check(r: Runner, a: Attempt, now: float) -> None:
+    """A live attempt's tick: a rank that ended by itself, or a peer's restart."""
+    g = r.group
+    if g is None:
+        return
+    _baseline(r, g)
+    exits = r.first_failure.exits.exits
+    new = [e for e in exits[g.exits_seen:] if e.pid not in g.before]
+    # An exit 0 is the run's end (the agent ends next); one reaped before we read
+    # it is judged once the agent has had UNKNOWN_GRACE to end as well.
+    judged = [e for e in new if e.returncode is not None or now - e.at >= UNKNOWN_GRACE]
+    g.exits_seen += len(judged) if len(judged) == len(new) else 0
+    failed = [e for e in judged if e.returncode != 0]
+    if failed and len(judged) == len(new) and _leader_alive(a):
+        first = r.first_failure.exits.first_failure() or failed[0]
+        fault = Fault(FaultKind.CRASH, r.job.name, first.at, {"rank_exit": first.evidence()},
+                      rank=first.rank, onset_step=r.last_step, onset_known=False)
+        from trainwatch.lifecycle import respond  # respond calls act(): one circle, at run time
+
+        respond.handle(r, fault)
+        return
+    if now >= g.poll_at:
+        g.poll_at = now + POLL
+        rec = records.parse(_call(r, records.newest_in_hand, g.root, g.gen))
+        if rec is not None and rec.gen > g.gen:
+            follow(r, a, rec, now)
+
+
+def act(r: Runner, fault: Fault, incident: int | None, reason: str) -> bool:
+    """This host acts on ``fault`` (a restart or rollback, decided): the group
+    restarts. True when done here (the agent lives: its workers end and it
+    restarts them); False when the agent is gone and is relaunched as usual."""
+    g, a = r.group, r.attempt
+    if g is None or a is None:
+        return False
+    _baseline(r, g)
+    cp = r.catalog.last_good()  # after a rollback's quarantine: before the anomaly
+    wall = time.time()
+    onset = wall - max(0.0, r.clock() - fault.onset)
+    decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
+                "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
+                "at": wall}
+    claim = {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident}
+    raw = _call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
+    rec = records.parse(raw)
+    if rec is None:
+        log.error("job %s: group restart %d not recorded in %s: the other hosts' ranks "
+                  "resume from what they judge themselves", r.job.name, g.gen + 1,
+                  records.folder(g.root))
+        g.gen += 1
+    else:
+        g.gen = rec.gen
+        won = isinstance(raw, dict) and raw.get("won") is True
+        _amend(r, incident, rec, won)
+        log.warning("job %s: group restart %d (%s, began on %s): every rank resumes from %s",
+                    r.job.name, rec.gen, "decided here" if won else f"decided by {rec.host}",
+                    rec.began, _where(rec))
+    if not _leader_alive(a):
+        return False
+    new_round(r, a, rec, incident, f"group restart {g.gen}: {reason}", onset)
+    return True
+
+
+def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
+    """A peer's restart: recorded and charged here once; our workers end too, so
+    that every agent enters the new round together."""
+    g = r.group
+    assert g is not None
+    g.gen = rec.gen
+    try:
+        kind = FaultKind(rec.kind)
+    except ValueError:
+        kind = FaultKind.CRASH
+    fault = Fault(kind, r.job.name, now, {"group_restart": rec.gen, "began": rec.began,
+                                          "decided_by": rec.host, "followed": True},
+                  onset_step=r.last_step, onset_known=False)
+    from trainwatch.lifecycle.policy import decide
+
+    if r.observing:
+        why, fatal = "observe_only" if r.config.observe_only else "paused", False
+        reason = f"{why}: a peer's group restart, recorded only"
+    else:
+        d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, Action.RESTART)
+        reason, fatal = d.reason, d.fatal
+    r.events.faults.labels(r.job.name, kind.value).inc()
+    incident = r.ledger.incident(fault, Action.RESTART.value,
+                                 f"group restart {rec.gen} (began on {rec.began}): {reason}",
+                                 a.number, None, observe_only=r.observing)
+    log.warning("job %s: group restart %d began on %s (%s): %s; resuming from %s",
+                r.job.name, rec.gen, rec.began, rec.kind, reason, _where(rec))
+    if r.observing:
+        return
+    if fatal:
+        r.begin_stop(JobState.FATAL, f"group restart {rec.gen}: {reason}")
+        return
+    r.outages.fault(kind.value, now, now)
+    new_round(r, a, rec, incident, f"group restart {rec.gen} from {rec.began}",
+              rec.began_at if rec.began_at is not None else time.time())
+
+
+def _where(rec: records.Restart) -> str:
+    if rec.resume_path is None:
+        return "scratch"
+    return f"step {rec.resume_step} ({rec.resume_path})"
+
+
+def _amend(r: Runner, incident: int | None, rec: records.Restart, won: bool) -> None:
+    if incident is not None and incident >= 0:
+        r.ledger.amend(incident, {"group_restart": rec.gen, "began": rec.began,
+                                  "decided_by": rec.host, "decided_here": won}, None)
+
+
+def _older(pids: set[int], than: float) -> set[int]:
+    """Those of ``pids`` started before ``than`` (wall time): not the workers the
+    agent started since, for the new round."""
+    out = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).create_time() <= than:
+                out.add(pid)
+    return out
+
+
+def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int | None,
+              reason: str, onset: float) -> None:
+    """This host's workers of before ``onset`` (wall time) end (SIGCONT first: a
+    stopped one must act on it); its agent restarts them in the group's new
+    round. What a launch resets, without starting a process."""
+    g = r.group
+    assert g is not None
+    now = r.clock()
+    workers = set(r.ranks.pids().values())
+    workers |= set(rank_processes(a.tree.scan(), r.stall.sampler.rank_of, r.ranks.pids()))
+    workers.discard(a.pid)
+    workers = _older(workers, onset + 0.05)  # start times are kept in clock ticks
+    g.before = workers
+    a.tree.signal_each(signal.SIGCONT, workers)
+    a.tree.signal_each(signal.SIGKILL, workers)
+    r.over_cap_before += r.ranks.over_cap
+    r.ranks = Ranks(started=now, max_ranks=r.job.heartbeat.max_ranks)
+    r.intake.new_attempt(a.ring_dir)
+    r.first_failure.new_attempt(now)
+    g.exits_seen = 0
+    from trainwatch.watch import anomalies
+
+    r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
+    r.stall.new_attempt(r.job.stall)
+    r.hang_latched = False
+    r.catalog.seal_quarantine()
+    step = rec.resume_step if rec is not None else None
+    reached, r.last_step = r.last_step, step
+    r.outages.started(now)
+    r.to(JobState.STARTING, reason)
+    if incident is not None and incident >= 0:
+        lost = None if reached is None else max(0, reached - (step or 0))
+        r.ledger.relaunched(incident, Relaunch(time.time(), rec.resume_path if rec else None,
+                                               step, lost))

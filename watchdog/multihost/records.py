@@ -1,0 +1,210 @@
+"""A group restart's records, kept in the job's checkpoint folder, which every
+host of a multi-host job sees (training shares it anyway):
+
+    <checkpoints.dir>/.trainwatch/restart-00000003/
+        decision.json        where every rank resumes: the checkpoint, the skip window
+        claim-<host>.json    each host that saw a fault of its own: what, which rank, when
+
+The first host to act on a fault makes the restart's folder (``mkdir``: of
+many hosts acting at once, one wins) and writes the decision; every host that
+saw a fault of its own adds its claim, so that where the restart began is the
+earliest claim, not whichever host was quickest to write. The number is the
+group's restart count, which every host reads and so agrees on.
+
+These functions run in the job's hand (privsep), as the job's user: the
+folder is the user's. What comes back to root is checked and bounded like
+anything a user wrote (``parse``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass
+from typing import Any
+
+FOLDER = ".trainwatch"
+_NAME = re.compile(r"restart-(\d{8})")
+_CLAIM = re.compile(r"claim-([A-Za-z0-9._-]{1,64})\.json")
+MAX_NAMES = 4096  # names read from the folder per look
+MAX_CLAIMS = 64  # claims read from one restart's folder
+MAX_BYTES = 16 * 1024  # one record
+
+
+def folder(root: str) -> str:
+    return os.path.join(root, FOLDER)
+
+
+def _write(d: str, name: str, body: dict[str, Any]) -> None:
+    """Atomically: a temporary file renamed over the name, fsynced."""
+    tmp = os.path.join(d, f".{name}.{os.getpid()}.tmp")
+    data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, os.path.join(d, name))
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        data = os.read(fd, MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:
+        return None
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def _newest(base: str, after: int) -> int | None:
+    """The highest restart number in ``base`` above ``after`` (at most MAX_NAMES read)."""
+    best = None
+    try:
+        with os.scandir(base) as it:
+            for i, e in enumerate(it):
+                if i >= MAX_NAMES:
+                    break
+                m = _NAME.fullmatch(e.name)
+                if m and int(m.group(1)) > after and (best is None or int(m.group(1)) > best):
+                    best = int(m.group(1))
+    except OSError:
+        return None
+    return best
+
+
+def _restart(base: str, gen: int) -> dict[str, Any]:
+    d = os.path.join(base, f"restart-{gen:08d}")
+    claims: list[dict[str, Any]] = []
+    try:
+        with os.scandir(d) as it:
+            for e in it:
+                if _CLAIM.fullmatch(e.name) and len(claims) < MAX_CLAIMS:
+                    c = _read(os.path.join(d, e.name))
+                    if c is not None:
+                        claims.append(c)
+    except OSError:
+        pass
+    return {"gen": gen, "decision": _read(os.path.join(d, "decision.json")), "claims": claims}
+
+
+def begin_in_hand(root: str, gen: int, host: str, decision: dict[str, Any],
+                  claim: dict[str, Any] | None) -> dict[str, Any]:
+    """Restart ``gen``: made here (``won``) with this decision, or made already by
+    another host (its record comes back); this host's claim added either way."""
+    base = folder(root)
+    os.makedirs(base, mode=0o755, exist_ok=True)
+    d = os.path.join(base, f"restart-{gen:08d}")
+    try:
+        os.mkdir(d, 0o755)
+        won = True
+    except FileExistsError:
+        won = False
+    if won:
+        _write(d, "decision.json", {**decision, "host": host, "gen": gen})
+    if claim is not None:
+        _write(d, f"claim-{host}.json", {**claim, "host": host})
+    return {"won": won, **_restart(base, gen)}
+
+
+def claim_in_hand(root: str, gen: int, host: str, claim: dict[str, Any]) -> None:
+    """This host saw a fault of its own in restart ``gen``, made by another."""
+    d = os.path.join(folder(root), f"restart-{gen:08d}")
+    if os.path.isdir(d):
+        _write(d, f"claim-{host}.json", {**claim, "host": host})
+
+
+def newest_in_hand(root: str, after: int) -> dict[str, Any] | None:
+    """The newest restart above ``after``, or None."""
+    base = folder(root)
+    gen = _newest(base, after)
+    return None if gen is None else _restart(base, gen)
+
+
+def decision_after(base: str, after: int) -> dict[str, Any] | None:
+    """The newest restart's decision above ``after`` in ``base`` (the client's
+    side: TRAINWATCH_GROUP_DIR, TRAINWATCH_GROUP_GEN), or None."""
+    gen = _newest(base, after)
+    if gen is None:
+        return None
+    return _read(os.path.join(base, f"restart-{gen:08d}", "decision.json"))
+
+
+def current_in_hand(root: str) -> int:
+    """The newest restart's number, 0 when there is none."""
+    return _newest(folder(root), 0) or 0
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One group restart as root believes it: every field checked."""
+
+    gen: int
+    host: str  # the host that made it
+    resume_step: int | None
+    resume_path: str | None
+    skip: tuple[int, int] | None
+    kind: str  # the fault's, where the restart began
+    began_host: str
+    began_rank: int | None
+    began_at: float | None  # wall time of the earliest claim
+
+    @property
+    def began(self) -> str:
+        rank = f" rank {self.began_rank}" if self.began_rank is not None else ""
+        return f"{self.began_host}{rank}"
+
+
+def _str(x: object, n: int = 256) -> str | None:
+    return x if isinstance(x, str) and len(x) <= n else None  # never a cut path
+
+
+def _int(x: object) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 else None
+
+
+def _time(x: object) -> float | None:
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return float(x) if ok else None  # type: ignore[arg-type]
+
+
+def parse(raw: object) -> Restart | None:
+    """A restart read in the hand, as root believes it; None without a decision."""
+    if not isinstance(raw, dict):
+        return None
+    gen, decision = _int(raw.get("gen")), raw.get("decision")
+    if gen is None or not isinstance(decision, dict):
+        return None
+    skip = decision.get("skip")
+    window = None
+    if isinstance(skip, list) and len(skip) == 2 and all(_int(s) is not None for s in skip):
+        window = (int(skip[0]), int(skip[1]))
+    host = _str(decision.get("host"), 64) or "?"
+    claims = [c for c in raw.get("claims") or [] if isinstance(c, dict)]
+    claims = [c for c in claims if _time(c.get("at")) is not None]
+    first = min(claims, key=lambda c: _time(c.get("at")) or 0.0) if claims else decision
+    return Restart(
+        gen=gen, host=host,
+        resume_step=_int(decision.get("resume_step")),
+        resume_path=_str(decision.get("resume_path"), 4096),
+        skip=window,
+        kind=_str(first.get("kind"), 64) or _str(decision.get("kind"), 64) or "?",
+        began_host=_str(first.get("host"), 64) or host,
+        began_rank=_int(first.get("rank")),
+        began_at=_time(first.get("at")),
+    )
