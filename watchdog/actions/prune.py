@@ -36,6 +36,7 @@ from trainwatch.types import JobState
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
+    from trainwatch.state.catalog import Summary
 
 log = logging.getLogger("trainwatch")
 
@@ -105,13 +106,15 @@ _refused: dict[str, set[tuple[int, str]]] = {}
 _REFUSED_MAX = 1024
 
 
-def keep_rule(r: Runner) -> Keep:
+def keep_rule(r: Runner, judged: Summary | None = None) -> Keep:
     """The job's ``checkpoints.keep``; without a rule, for trainwatch snapshots,
-    the newest good snapshot's ``keep`` as ``last`` (pinned steps still hold)."""
+    the newest good snapshot's ``keep`` as ``last`` (pinned steps still hold).
+    ``judged``: the summary the loop's refresh has just made, whose newest good
+    checkpoint is taken as it is (not one more call to the job's hand)."""
     keep = r.job.checkpoints.keep
     if keep.deletes:
         return keep
-    good = r.catalog.last_good(fresh=False)
+    good = judged.last_good if judged is not None else r.catalog.last_good(fresh=False)
     # By the folder, not the layout's name: under ``auto`` a first run's reports
     # of snapshot-N are taken by a learned generic pattern until a listing
     # recognises the layout (up to a minute), and keep must hold from the first.
@@ -131,9 +134,9 @@ def keep_rule(r: Runner) -> Keep:
     return keep if seen[1] is None else replace(keep, last=seen[1])
 
 
-def plan(r: Runner, listed: bool = True) -> Plan:
+def plan(r: Runner, listed: bool = True, keep: Keep | None = None) -> Plan:
     """What retention would delete now, and why each other checkpoint stays."""
-    keep = keep_rule(r)
+    keep = keep_rule(r) if keep is None else keep
     entries = r.catalog.entries() if listed else r.catalog.known()
     free = free_space(r)
     sized = keep.min_free_bytes is not None and free is not None and free < keep.min_free_bytes
@@ -147,7 +150,7 @@ def plan(r: Runner, listed: bool = True) -> Plan:
 
 def after_refresh(r: Runner) -> None:
     """Delete what the plan says, when something changed that could free one."""
-    keep, root = keep_rule(r), r.catalog.spec.dir
+    keep, root = keep_rule(r, r.checkpoints), r.catalog.spec.dir
     if not keep.deletes or root is None or r.observing:
         return
     good = r.checkpoints.last_good
@@ -160,7 +163,7 @@ def after_refresh(r: Runner) -> None:
     if background.busy(r, _CLEARING):
         return  # the last pass's folders are still being removed: the space too
     r.catalog.pruned_at = step
-    p = plan(r, listed=False)
+    p = plan(r, listed=False, keep=keep)
     snapshots = 0
     graves: list[str] = []
     refused = _refused.setdefault(r.job.name, set())
