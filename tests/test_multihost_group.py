@@ -25,7 +25,7 @@ STEPS = 80
 # it started.
 _TRAINER = textwrap.dedent(
     """
-    import datetime, json, os, sys, time
+    import datetime, json, os, shutil, sys, time
     import torch
     import torch.distributed as dist
     from trainwatch import client
@@ -51,6 +51,7 @@ _TRAINER = textwrap.dedent(
             os.makedirs(d + ".tmp", exist_ok=True)
             torch.save({"w": w, "step": step}, os.path.join(d + ".tmp", "state.pt"))
             open(os.path.join(d + ".tmp", "done"), "w").close()
+            shutil.rmtree(d, ignore_errors=True)  # written again after a restart
             os.rename(d + ".tmp", d)
         time.sleep(0.1)
     if rank == 0:
@@ -71,7 +72,7 @@ def _fault_free() -> list[float]:
     return w
 
 
-def _hosts(tmp_path: Path) -> tuple[Workspace, Workspace, Path, Path]:
+def _hosts(tmp_path: Path, **job: object) -> tuple[Workspace, Workspace, Path, Path]:
     ckpt, journal = tmp_path / "ckpt", tmp_path / "journal.jsonl"
     ckpt.mkdir()
     script = tmp_path / "trainer.py"
@@ -87,7 +88,7 @@ def _hosts(tmp_path: Path) -> tuple[Workspace, Workspace, Path, Path]:
         ws.root.mkdir()
         cfg = ws.config({"command": command, "nodes": 2, "resume_args": [],
                          "checkpoints": {"dir": str(ckpt), "pattern": "step_{step}",
-                                         "marker": "done"}},
+                                         "marker": "done"}, **job},
                         host=name)
         hosts.append((ws, cfg))
     (a, cfg_a), (b, cfg_b) = hosts
@@ -102,18 +103,18 @@ def _journal(path: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x]
 
 
-def test_a_rank_killed_on_one_host_restarts_the_group_once_from_one_checkpoint(
-        tmp_path: Path) -> None:
-    """SIGKILL of host B's rank: both ranks resume from the same step, each host
-    records one incident naming group restart 1 that began on hB, each charges
-    it once, and the final weights are the fault-free run's."""
-    a, b, journal, _ = _hosts(tmp_path)
+def _drill(tmp_path: Path, sig: signal.Signals, kind: str, **job: object) -> float:
+    """``sig`` to host B's rank at step 12: both ranks resume from one step, each
+    host records one incident naming group restart 1 that began at B's rank
+    (``kind`` there), each charges it once, and the run ends with the fault-free
+    run's weights. Seconds from the signal until both ranks started again."""
+    a, b, journal, _ = _hosts(tmp_path, **job)
     try:
         wait_for(lambda: (b.status().get("step") or 0) >= 12, timeout=120,
                  what="host B's rank to reach step 12")
         victim, rank = next((int(e["pid"]), e["rank"])  # type: ignore[call-overload]
                             for e in _journal(journal) if e["host"] == "hB")
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
         t0 = time.monotonic()
         wait_for(lambda: len(_journal(journal)) >= 4, timeout=120,
                  what="both ranks to start again")
@@ -135,6 +136,21 @@ def test_a_rank_killed_on_one_host_restarts_the_group_once_from_one_checkpoint(
         assert len(got) == 1, (name, got, outs)
         ev = json.loads(got[0]["evidence"])
         assert (ev.get("group_restart"), ev.get("began")) == (1, f"hB rank {rank}"), (name, ev)
+    assert incs["hB"][0]["kind"] == kind, incs
     final = json.loads((tmp_path / "final.json").read_text())["w"]
     assert final == _fault_free(), (final, _fault_free())
-    print(f"group back in {back:.1f}s from step {starts[2]}")
+    print(f"{kind}: group back in {back:.1f}s from step {starts[2]}")
+    return back
+
+
+def test_a_rank_killed_on_one_host_restarts_the_group_once_from_one_checkpoint(
+        tmp_path: Path) -> None:
+    """SIGKILL of host B's rank: one group restart, begun at B's rank, from one step."""
+    _drill(tmp_path, signal.SIGKILL, "crash")
+
+
+def test_a_rank_stopped_on_one_host_is_named_there_and_restarts_the_group_once(
+        tmp_path: Path) -> None:
+    """SIGSTOP of host B's rank: B names it (a hang), A's ranks, waiting for it in
+    the all-reduce, are not named; one group restart from one step."""
+    _drill(tmp_path, signal.SIGSTOP, "hang", heartbeat={"timeout": "3s"})

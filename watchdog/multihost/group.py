@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psutil
+from trainwatch.actions.tree import stopped_ranks
 from trainwatch.multihost import records
 from trainwatch.privsep.hand import HandError
 from trainwatch.sources.rankexits import rank_processes
@@ -42,6 +43,9 @@ log = logging.getLogger("trainwatch")
 POLL = 0.5  # seconds between two looks for a peer's restart
 _TIMEOUT = 5.0  # one hand call on the shared folder
 UNKNOWN_GRACE = 2.0  # a rank's exit of unknown status, while its agent lives: a failure
+# A hang or stall with none of this host's ranks stopped waits this long for the
+# host whose rank is (its ranks wait for it in a collective) to restart the group.
+HOLD = 5.0
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Group:
     # The rank processes of the rounds before: their exits are the restart's, not new faults.
     before: set[int] = field(default_factory=set)
     exits_seen: int = 0
+    held_since: float | None = None  # a hang held for the host that has its cause
 
 
 def for_job(config: Config, job: Job) -> Group | None:
@@ -122,6 +127,23 @@ def check(r: Runner, a: Attempt, now: float) -> None:
         rec = records.parse(_call(r, records.newest_in_hand, g.root, g.gen))
         if rec is not None and rec.gen > g.gen:
             follow(r, a, rec, now)
+
+
+def held(r: Runner, fault: Fault, now: float) -> bool:
+    """A hang or stall in which no rank of this host is stopped: its ranks wait
+    in a collective for another host's, whose daemon names it (multinode: the
+    victims must not be named). Held for HOLD seconds, following a peer's
+    restart meanwhile (check()); then acted on here all the same."""
+    g = r.group
+    if g is None or fault.kind not in (FaultKind.HANG, FaultKind.NCCL_STALL):
+        return False
+    if stopped_ranks(r.ranks.pids()):
+        return False
+    if g.held_since is None:
+        g.held_since = now
+        log.info("job %s: %s with none of this host's ranks stopped: waiting %gs for the "
+                 "host whose rank is to restart the group", r.job.name, fault.kind.value, HOLD)
+    return now - g.held_since < HOLD
 
 
 def act(r: Runner, fault: Fault, incident: int | None, reason: str) -> bool:
@@ -231,7 +253,7 @@ def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int 
     workers |= set(rank_processes(a.tree.scan(), r.stall.sampler.rank_of, r.ranks.pids()))
     workers.discard(a.pid)
     workers = _older(workers, onset + 0.05)  # start times are kept in clock ticks
-    g.before = workers
+    g.before, g.held_since = workers, None
     a.tree.signal_each(signal.SIGCONT, workers)
     a.tree.signal_each(signal.SIGKILL, workers)
     r.over_cap_before += r.ranks.over_cap

@@ -48,6 +48,8 @@ def check(r: Runner, a: Attempt, now: float) -> None:
         faults = run_detectors("tick", r.view(now, stopped=stopped))
     fault = faults[0] if faults else None
     if fault is not None:
+        if group.held(r, fault, now):
+            return  # a multi-host job: the host with the stopped rank names it
         if r.take_drill("hang", "nccl_stall") is not None:
             fault = dataclasses.replace(fault, evidence={**fault.evidence, "source": "drill"})
         respond.handle(r, fault)
