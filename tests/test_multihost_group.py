@@ -30,6 +30,7 @@ _TRAINER = textwrap.dedent(
     import torch.distributed as dist
     from trainwatch import client
     ckpt, journal, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    bad = range(*(int(x) for x in sys.argv[4].split(":"))) if len(sys.argv) > 4 else range(0)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     target = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
@@ -37,15 +38,21 @@ _TRAINER = textwrap.dedent(
     if client.resume_from():
         state = torch.load(os.path.join(client.resume_from(), "state.pt"))
         w, start = state["w"], state["step"]
+    skip = client.skip_steps()
     with open(journal, "a") as f:
         f.write(json.dumps({"rank": rank, "host": os.environ["TRAINWATCH_HOST"],
-                            "pid": os.getpid(), "start": start}) + "\\n")
+                            "pid": os.getpid(), "start": start, "skip": skip}) + "\\n")
     hb = client.connect()
+    hb.data_order("step", "batch k is drawn from k", step=start)
     for step in range(start + 1, steps + 1):
-        g = (w - target) * (rank + 1)
+        if skip and skip[0] <= step <= skip[1]:
+            hb.beat(step)  # this step's data is skipped
+            continue
+        g = (w - target) * (rank + 1) * (float("nan") if step in bad else 1.0)
         dist.all_reduce(g)
         w = w - 0.05 * g / world
-        hb.beat(step, loss=float(((w - target) ** 2).sum()))
+        # Only rank 0 says the loss (as most loops log it): only its host sees the NaN.
+        hb.beat(step, loss=float(((w - target) ** 2).sum()) if rank == 0 else None)
         if rank == 0:
             d = os.path.join(ckpt, f"step_{step}")
             os.makedirs(d + ".tmp", exist_ok=True)
@@ -62,17 +69,20 @@ _TRAINER = textwrap.dedent(
 )
 
 
-def _fault_free() -> list[float]:
-    """The weights a run without faults ends with (the trainer's arithmetic)."""
+def _fault_free(skip: tuple[int, int] | None = None) -> list[float]:
+    """The weights a run without faults ends with (the trainer's arithmetic),
+    the steps of ``skip`` skipped."""
     target = [1.0, -2.0, 0.5, 3.0]
     w = [0.0] * 4
-    for _ in range(STEPS):
+    for step in range(1, STEPS + 1):
+        if skip and skip[0] <= step <= skip[1]:
+            continue
         g = [(wi - ti) * 1 + (wi - ti) * 2 for wi, ti in zip(w, target, strict=True)]
         w = [wi - 0.05 * gi / 2 for wi, gi in zip(w, g, strict=True)]
     return w
 
 
-def _hosts(tmp_path: Path, **job: object) -> tuple[Workspace, Workspace, Path, Path]:
+def _hosts(tmp_path: Path, *args: str, **job: object) -> tuple[Workspace, Workspace, Path, Path]:
     ckpt, journal = tmp_path / "ckpt", tmp_path / "journal.jsonl"
     ckpt.mkdir()
     script = tmp_path / "trainer.py"
@@ -81,7 +91,7 @@ def _hosts(tmp_path: Path, **job: object) -> tuple[Workspace, Workspace, Path, P
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                "--rdzv-id=tw-group", "--monitor-interval=0.1", str(script), str(ckpt),
-               str(journal), str(STEPS)]
+               str(journal), str(STEPS), *args]
     hosts = []
     for name in ("hA", "hB"):
         ws = Workspace(tmp_path / name)
@@ -154,3 +164,42 @@ def test_a_rank_stopped_on_one_host_is_named_there_and_restarts_the_group_once(
     """SIGSTOP of host B's rank: B names it (a hang), A's ranks, waiting for it in
     the all-reduce, are not named; one group restart from one step."""
     _drill(tmp_path, signal.SIGSTOP, "hang", heartbeat={"timeout": "3s"})
+
+
+def test_a_nan_seen_on_rank_0s_host_rolls_the_whole_group_back_with_one_skip_window(
+        tmp_path: Path) -> None:
+    """Steps 30-31 make the loss NaN, which only rank 0 says: its host rolls back
+    (quarantine, skip window) and records the group restart; the other host
+    follows it. The anomaly comes back at 31 once: the window widens, a second
+    group restart that neither host charges. After each restart both ranks
+    resume from one step and skip one window; the final weights are those of a
+    fault-free run that skips the last window."""
+    a, b, journal, _ = _hosts(tmp_path, "30:32")
+    try:
+        wait_for(lambda: (tmp_path / "final.json").exists(), timeout=240,
+                 what="the run to finish")
+    finally:
+        for ws in (a, b):
+            for p in ws.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+        outs = [finish(p, timeout=60)[1] for ws in (a, b) for p in ws.procs]
+    runs = _journal(journal)
+    lead = next(e["host"] for e in runs if e["rank"] == 0)
+    assert len(runs) >= 4 and len(runs) % 2 == 0, (runs, outs)
+    pairs = [runs[i:i + 2] for i in range(2, len(runs), 2)]
+    for x, y in pairs:
+        assert (x["start"], x["skip"]) == (y["start"], y["skip"]), runs
+    start, skip = pairs[-1][0]["start"], pairs[-1][0]["skip"]
+    assert isinstance(start, int) and start < 30 and skip[0] <= 30 and skip[1] >= 31, runs
+    for name, ws in (("hA", a), ("hB", b)):
+        got = ws.incidents()
+        gens = [json.loads(i["evidence"]).get("group_restart") for i in got]
+        assert gens == list(range(1, len(pairs) + 1)), (name, got, outs)
+        assert all(i["kind"] == "nan_loss" or json.loads(i["evidence"]).get("began", "")
+                   .startswith(f"{lead} rank") for i in got), (name, got)
+        charged = [i for i in got if "not charged" not in i["decision"]
+                   and json.loads(i["evidence"]).get("charged", True)]
+        assert len(charged) == 1, (name, [(i["kind"], i["decision"]) for i in got])
+    final = json.loads((tmp_path / "final.json").read_text())["w"]
+    assert final == _fault_free((skip[0], skip[1])), (final, skip)

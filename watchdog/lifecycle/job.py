@@ -230,8 +230,8 @@ class JobRunner:
     # --- events from the loop ------------------------------------------------
 
     def _believe(self, pid: int, uid: int) -> bool:
-        a = self.attempt
-        return a is not None and a.tree.owns(pid, uid)
+        a = self.attempt  # not a worker of a group's round before (multihost/group.py)
+        return a is not None and a.tree.owns(pid, uid) and not group.of_rounds_before(self, pid)
 
     def _on_report(self, obs: CheckpointReport) -> None:
         # A checkpoint written again at a quarantined step is new, if this attempt

@@ -159,7 +159,8 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
     if action is Action.STOP or fatal:
         stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
         return
-    if group.act(r, fault, incident, reason):  # a multi-host job: its group restarts
+    charged = plan is None or plan.widening == 0
+    if group.act(r, fault, incident, reason, charged):  # a multi-host job: its group restarts
         return
     r.pending_incident = incident
     stop(JobState.BACKOFF, f"{fault.kind.value}: {reason}", delay or 0.0)

@@ -46,6 +46,9 @@ UNKNOWN_GRACE = 2.0  # a rank's exit of unknown status, while its agent lives: a
 # A hang or stall with none of this host's ranks stopped waits this long for the
 # host whose rank is (its ranks wait for it in a collective) to restart the group.
 HOLD = 5.0
+# Every host's claim is in by then: where a restart began is read again (the host
+# that made it may have read only its own claim, a victim's).
+SETTLE = 2.0
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Group:
     before: set[int] = field(default_factory=set)
     exits_seen: int = 0
     held_since: float | None = None  # a hang held for the host that has its cause
+    settle: tuple[int, int, str, float] | None = None  # restart, incident, began, when
 
 
 def for_job(config: Config, job: Job) -> Group | None:
@@ -97,6 +101,12 @@ def job_for_attempt(r: Runner, job: Job) -> Job:
     return dataclasses.replace(job, env={**job.env, **extra}) if extra else job
 
 
+def of_rounds_before(r: Runner, pid: int) -> bool:
+    """A worker of the group's rounds before this one: its late beats (queued, or
+    still in its ring, which a new reader would replay) are not this round's."""
+    return r.group is not None and pid in r.group.before
+
+
 def _leader_alive(a: Attempt) -> bool:
     return a.returncode is None and not a.closed
 
@@ -122,6 +132,8 @@ def check(r: Runner, a: Attempt, now: float) -> None:
 
         respond.handle(r, fault)
         return
+    if g.settle is not None and now >= g.settle[3]:
+        _settle(r, g)
     if now >= g.poll_at:
         g.poll_at = now + POLL
         rec = records.parse(_call(r, records.newest_in_hand, g.root, g.gen))
@@ -146,10 +158,12 @@ def held(r: Runner, fault: Fault, now: float) -> bool:
     return now - g.held_since < HOLD
 
 
-def act(r: Runner, fault: Fault, incident: int | None, reason: str) -> bool:
-    """This host acts on ``fault`` (a restart or rollback, decided): the group
-    restarts. True when done here (the agent lives: its workers end and it
-    restarts them); False when the agent is gone and is relaunched as usual."""
+def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: bool) -> bool:
+    """This host acts on ``fault`` (a restart or rollback, decided; ``charged``:
+    it spent one of the budget): the group restarts. True when done here (the
+    agent lives: its workers end and it restarts them); False when the agent is
+    gone and is relaunched as usual. A restart another host made first is
+    charged here as that host charged it: once, or not at all (a widening)."""
     g, a = r.group, r.attempt
     if g is None or a is None:
         return False
@@ -159,7 +173,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str) -> bool:
     onset = wall - max(0.0, r.clock() - fault.onset)
     decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
-                "at": wall}
+                "at": wall, "charged": charged}
     claim = {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident}
     raw = _call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
     rec = records.parse(raw)
@@ -171,6 +185,8 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str) -> bool:
     else:
         g.gen = rec.gen
         won = isinstance(raw, dict) and raw.get("won") is True
+        if charged and not rec.charged and r.history.restarts:
+            r.history.restarts.pop()  # decide() granted it last: the maker did not charge it
         _amend(r, incident, rec, won)
         log.warning("job %s: group restart %d (%s, began on %s): every rank resumes from %s",
                     r.job.name, rec.gen, "decided here" if won else f"decided by {rec.host}",
@@ -200,7 +216,8 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
         why, fatal = "observe_only" if r.config.observe_only else "paused", False
         reason = f"{why}: a peer's group restart, recorded only"
     else:
-        d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, Action.RESTART)
+        d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, Action.RESTART,
+                   charged=rec.charged)
         reason, fatal = d.reason, d.fatal
     r.events.faults.labels(r.job.name, kind.value).inc()
     incident = r.ledger.incident(fault, Action.RESTART.value,
@@ -208,6 +225,8 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
                                  a.number, None, observe_only=r.observing)
     log.warning("job %s: group restart %d began on %s (%s): %s; resuming from %s",
                 r.job.name, rec.gen, rec.began, rec.kind, reason, _where(rec))
+    if incident is not None and incident >= 0:
+        g.settle = (rec.gen, incident, rec.began, now + SETTLE)
     if r.observing:
         return
     if fatal:
@@ -227,7 +246,24 @@ def _where(rec: records.Restart) -> str:
 def _amend(r: Runner, incident: int | None, rec: records.Restart, won: bool) -> None:
     if incident is not None and incident >= 0:
         r.ledger.amend(incident, {"group_restart": rec.gen, "began": rec.began,
-                                  "decided_by": rec.host, "decided_here": won}, None)
+                                  "decided_by": rec.host, "decided_here": won,
+                                  "charged": rec.charged}, None)
+        assert r.group is not None
+        r.group.settle = (rec.gen, incident, rec.began, r.clock() + SETTLE)
+
+
+def _settle(r: Runner, g: Group) -> None:
+    """Where the restart began, once every host's claim is in."""
+    assert g.settle is not None
+    gen, incident, began, _ = g.settle
+    g.settle = None
+    raw = _call(r, records.newest_in_hand, g.root, gen - 1)
+    rec = records.parse(raw)
+    if rec is None or rec.gen != gen or rec.began == began:
+        return
+    r.ledger.amend(incident, {"began": rec.began}, None)
+    log.info("job %s: group restart %d began on %s (every host's claim read; first "
+             "thought %s)", r.job.name, gen, rec.began, began)
 
 
 def _older(pids: set[int], than: float) -> set[int]:

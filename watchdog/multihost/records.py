@@ -163,6 +163,7 @@ class Restart:
     began_host: str
     began_rank: int | None
     began_at: float | None  # wall time of the earliest claim
+    charged: bool = True  # to the budget (False: a rollback's widening)
 
     @property
     def began(self) -> str:
@@ -207,4 +208,5 @@ def parse(raw: object) -> Restart | None:
         began_host=_str(first.get("host"), 64) or host,
         began_rank=_int(first.get("rank")),
         began_at=_time(first.get("at")),
+        charged=decision.get("charged") is not False,
     )
