@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -146,6 +147,11 @@ def _drill(tmp_path: Path, sig: signal.Signals, kind: str, **job: object) -> flo
         assert len(got) == 1, (name, got, outs)
         ev = json.loads(got[0]["evidence"])
         assert (ev.get("group_restart"), ev.get("began")) == (1, f"hB rank {rank}"), (name, ev)
+        assert {c["host"] for c in ev.get("claims", [])} >= {"hB"}, (name, ev)
+        shown = subprocess.run([sys.executable, "-m", "trainwatch.cli", "incidents", "--state-dir",
+                                str(ws.state), "--show", str(got[0]["id"])],
+                               capture_output=True, text=True, timeout=60, check=False).stdout
+        assert f"group restart 1: began on hB rank {rank}" in shown, (name, shown)
     assert incs["hB"][0]["kind"] == kind, incs
     final = json.loads((tmp_path / "final.json").read_text())["w"]
     assert final == _fault_free(), (final, _fault_free())

@@ -159,9 +159,29 @@ def _files(where: Path) -> list[str]:
     return out
 
 
+def _group(row: dict[str, Any]) -> list[str]:
+    """A multi-host job's group restart (multihost/group.py): where it began and
+    what every host claimed, the same on every host's incident of it."""
+    ev = _evidence(row)
+    gen = ev.get("group_restart")
+    if not isinstance(gen, int):
+        return []
+    out = [f"group restart {gen}: began on {ev.get('began', '?')}, decided by "
+           f"{ev.get('decided_by', '?')}{'' if ev.get('charged', True) else ', not charged'}"]
+    claims = ev.get("claims")
+    for c in claims if isinstance(claims, list) else []:
+        if isinstance(c, dict):
+            rank = f" rank {c['rank']}" if isinstance(c.get("rank"), int) else ""
+            at = c.get("at")
+            stamp = (time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at * 1000) % 1000:03d}"
+                     if isinstance(at, (int, float)) else "-")
+            out.append(f"  {c.get('host', '?')}{rank}: {c.get('kind', '?')} at {stamp}")
+    return out
+
+
 def render(row: dict[str, Any], folder: Path) -> str:
     """The incident and its evidence, as text."""
-    out = _head(row) + _rollback(row) + series.render(folder)
+    out = _head(row) + _group(row) + _rollback(row) + series.render(folder)
     s = read_json(folder / SUMMARY)
     if not isinstance(s, dict):
         out.append(_absent(row, folder))

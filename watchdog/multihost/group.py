@@ -208,7 +208,8 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
     except ValueError:
         kind = FaultKind.CRASH
     fault = Fault(kind, r.job.name, now, {"group_restart": rec.gen, "began": rec.began,
-                                          "decided_by": rec.host, "followed": True},
+                                          "decided_by": rec.host, "followed": True,
+                                          "claims": rec.claimed()},
                   onset_step=r.last_step, onset_known=False)
     from trainwatch.lifecycle.policy import decide
 
@@ -247,7 +248,7 @@ def _amend(r: Runner, incident: int | None, rec: records.Restart, won: bool) -> 
     if incident is not None and incident >= 0:
         r.ledger.amend(incident, {"group_restart": rec.gen, "began": rec.began,
                                   "decided_by": rec.host, "decided_here": won,
-                                  "charged": rec.charged}, None)
+                                  "charged": rec.charged, "claims": rec.claimed()}, None)
         assert r.group is not None
         r.group.settle = (rec.gen, incident, rec.began, r.clock() + SETTLE)
 
@@ -259,9 +260,11 @@ def _settle(r: Runner, g: Group) -> None:
     g.settle = None
     raw = _call(r, records.newest_in_hand, g.root, gen - 1)
     rec = records.parse(raw)
-    if rec is None or rec.gen != gen or rec.began == began:
+    if rec is None or rec.gen != gen:
         return
-    r.ledger.amend(incident, {"began": rec.began}, None)
+    r.ledger.amend(incident, {"began": rec.began, "claims": rec.claimed()}, None)
+    if rec.began == began:
+        return
     log.info("job %s: group restart %d began on %s (every host's claim read; first "
              "thought %s)", r.job.name, gen, rec.began, began)
 

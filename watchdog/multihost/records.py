@@ -164,6 +164,13 @@ class Restart:
     began_rank: int | None
     began_at: float | None  # wall time of the earliest claim
     charged: bool = True  # to the budget (False: a rollback's widening)
+    # Every host's claim, earliest first: (host, kind, rank, wall time).
+    claims: tuple[tuple[str, str, int | None, float], ...] = ()
+
+    def claimed(self) -> list[dict[str, object]]:
+        """The claims as an incident records them."""
+        return [{"host": h, "kind": k, "rank": rk, "at": round(t, 3)}
+                for h, k, rk, t in self.claims]
 
     @property
     def began(self) -> str:
@@ -209,4 +216,8 @@ def parse(raw: object) -> Restart | None:
         began_rank=_int(first.get("rank")),
         began_at=_time(first.get("at")),
         charged=decision.get("charged") is not False,
+        claims=tuple(sorted(
+            ((_str(c.get("host"), 64) or "?", _str(c.get("kind"), 64) or "?",
+              _int(c.get("rank")), _time(c.get("at")) or 0.0) for c in claims),
+            key=lambda c: c[3])),
     )
