@@ -30,16 +30,17 @@ _TRAINER = textwrap.dedent(
     import torch
     import torch.distributed as dist
     from trainwatch import client
+    from trainwatch.integrations.torch import agreed_resume
     ckpt, journal, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     bad = range(*(int(x) for x in sys.argv[4].split(":"))) if len(sys.argv) > 4 else range(0)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     target = torch.tensor([1.0, -2.0, 0.5, 3.0], dtype=torch.float64)
     w, start = torch.zeros(4, dtype=torch.float64), 0
-    if client.resume_from():
-        state = torch.load(os.path.join(client.resume_from(), "state.pt"))
+    resume, skip = agreed_resume()  # every rank the same, or none trains
+    if resume:
+        state = torch.load(os.path.join(resume, "state.pt"))
         w, start = state["w"], state["step"]
-    skip = client.skip_steps()
     with open(journal, "a") as f:
         f.write(json.dumps({"rank": rank, "host": os.environ["TRAINWATCH_HOST"],
                             "pid": os.getpid(), "start": start, "skip": skip}) + "\\n")
@@ -209,3 +210,36 @@ def test_a_nan_seen_on_rank_0s_host_rolls_the_whole_group_back_with_one_skip_win
         assert len(charged) == 1, (name, [(i["kind"], i["decision"]) for i in got])
     final = json.loads((tmp_path / "final.json").read_text())["w"]
     assert final == _fault_free((skip[0], skip[1])), (final, skip)
+
+
+def test_ranks_that_disagree_on_where_to_resume_refuse_to_train(tmp_path: Path) -> None:
+    """agreed_resume() on two real ranks (torchrun, gloo): the same answer is
+    returned on both; different answers raise on both, naming them."""
+    script = tmp_path / "agree.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, sys
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        os.environ["TRAINWATCH_RESUME_FROM"] = sys.argv[1] if rank == 0 else sys.argv[2]
+        from trainwatch.integrations.torch import agreed_resume
+        try:
+            print(f"rank {rank} AGREED {agreed_resume()[0]}", flush=True)
+        except RuntimeError as e:
+            print(f"rank {rank} REFUSED {e}", flush=True)
+        dist.destroy_process_group()
+        """))
+
+    def run(a: str, b: str) -> str:
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node=2", str(script), a, b],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+
+    same = run("/ck/step_9", "/ck/step_9")
+    assert same.count("AGREED /ck/step_9") == 2, same
+    differ = run("/ck/step_9", "/ck/step_7")
+    assert differ.count("REFUSED trainwatch: the ranks disagree on where to resume") == 2, differ
+    assert "'/ck/step_7'" in differ, differ

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from trainwatch import client
 
-__all__ = ["Reporter", "Watch", "in_window", "sampler_order", "skip_window"]
+__all__ = ["Reporter", "Watch", "agreed_resume", "in_window", "sampler_order", "skip_window"]
 
 T = TypeVar("T")
 Sender = client.Heartbeat | client.NullHeartbeat
@@ -50,6 +50,27 @@ def skip_window() -> tuple[int, int] | None:
     malformed or empty (end < start)."""
     w = client.skip_steps()
     return w if w is not None and w[0] <= w[1] else None
+
+
+def agreed_resume() -> tuple[str | None, tuple[int, int] | None]:
+    """``client.resume_from()`` and ``skip_window()``, the same on every rank of the
+    default process group (call it after ``init_process_group``): every rank's
+    answer is gathered, and where they differ (in a job across hosts, a group
+    restart's decision read by some ranks before it was written) every rank
+    raises: never trained through; the launcher restarts them and the next round
+    reads one decision. Without a process group: this rank's own."""
+    mine = (client.resume_from(), skip_window())
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return mine
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, mine)
+    odd = [i for i, g in enumerate(got) if g != got[0]]
+    if odd:
+        raise RuntimeError(f"trainwatch: the ranks disagree on where to resume: rank 0 "
+                           f"{got[0]!r}, rank {odd[0]} {got[odd[0]]!r} ({len(odd)} differ)")
+    return mine
 
 
 def in_window(step: int, window: tuple[int, int] | None) -> bool:
