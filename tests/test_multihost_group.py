@@ -154,6 +154,8 @@ def _drill(tmp_path: Path, sig: signal.Signals, kind: str, **job: object) -> flo
                                capture_output=True, text=True, timeout=60, check=False).stdout
         assert f"group restart 1: began on hB rank {rank}" in shown, (name, shown)
     assert incs["hB"][0]["kind"] == kind, incs
+    tracker = (tmp_path / "ckpt" / ".trainwatch" / "resume-from").read_text()  # no client: this
+    assert tracker == f"{tmp_path / 'ckpt' / f'step_{starts[2]}'}\n", tracker
     final = json.loads((tmp_path / "final.json").read_text())["w"]
     assert final == _fault_free(), (final, _fault_free())
     print(f"{kind}: group back in {back:.1f}s from step {starts[2]}")

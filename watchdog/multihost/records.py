@@ -4,6 +4,9 @@ host of a multi-host job sees (training shares it anyway):
     <checkpoints.dir>/.trainwatch/restart-00000003/
         decision.json        where every rank resumes: the checkpoint, the skip window
         claim-<host>.json    each host that saw a fault of its own: what, which rank, when
+    <checkpoints.dir>/.trainwatch/resume-from
+                             the newest decision's checkpoint path (empty: from scratch),
+                             one line, for a job without the client (as Megatron's tracker)
 
 The first host to act on a fault makes the restart's folder (``mkdir``: of
 many hosts acting at once, one wins) and writes the decision; every host that
@@ -37,10 +40,11 @@ def folder(root: str) -> str:
     return os.path.join(root, FOLDER)
 
 
-def _write(d: str, name: str, body: dict[str, Any]) -> None:
+def _write(d: str, name: str, body: dict[str, Any] | str) -> None:
     """Atomically: a temporary file renamed over the name, fsynced."""
     tmp = os.path.join(d, f".{name}.{os.getpid()}.tmp")
-    data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+    data = (body if isinstance(body, str)
+            else json.dumps(body, separators=(",", ":"), sort_keys=True)).encode()
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
         os.write(fd, data)
@@ -117,6 +121,8 @@ def begin_in_hand(root: str, gen: int, host: str, decision: dict[str, Any],
         won = False
     if won:
         _write(d, "decision.json", {**decision, "host": host, "gen": gen})
+        path = decision.get("resume_path")
+        _write(base, "resume-from", f"{path if isinstance(path, str) else ''}\n")
     if claim is not None:
         _write(d, f"claim-{host}.json", {**claim, "host": host})
     return {"won": won, **_restart(base, gen)}
