@@ -262,3 +262,39 @@ def test_three_hosts_restart_as_one_group_from_one_checkpoint(tmp_path: Path) ->
     rank resuming from one step (the final weights: as the fault-free run's where
     two ranks sum, which the 2-host drills check bit for bit)."""
     _drill(tmp_path, signal.SIGKILL, "crash", n=3)
+
+
+def test_a_host_whose_agent_is_killed_kills_its_workers_and_rejoins_the_group(
+        tmp_path: Path) -> None:
+    """SIGKILL of host B's torchrun agent: its worker (in a session of its own,
+    orphaned) is killed with the attempt's tree, B relaunches its agent into the
+    same group restart, and every rank resumes from one step."""
+    hosts, journal, _ = _hosts(tmp_path)
+    b = hosts[1]
+    try:
+        wait_for(lambda: (b.status().get("step") or 0) >= 12, timeout=120,
+                 what="host B's rank to reach step 12")
+        agent = int(b.status()["pid"])
+        worker = next(int(e["pid"]) for e in _journal(journal)  # type: ignore[call-overload]
+                      if e["host"] == "hB")
+        os.kill(agent, signal.SIGKILL)
+        wait_for(lambda: not Path(f"/proc/{worker}").exists()
+                 or Path(f"/proc/{worker}/stat").read_text().split(") ")[1][0] == "Z",
+                 timeout=30, what="host B's orphaned worker to be killed")
+        wait_for(lambda: len(_journal(journal)) >= 4, timeout=120,
+                 what="every rank to start again")
+        wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
+                 what="the run to finish")
+    finally:
+        for ws in hosts:
+            for p in ws.procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+        outs = [finish(p, timeout=60)[1] for ws in hosts for p in ws.procs]
+    runs = _journal(journal)
+    assert len(runs) == 4 and runs[2]["start"] == runs[3]["start"], (runs, *outs)
+    gens = {ws.root.name: [json.loads(i["evidence"]).get("group_restart")
+                           for i in ws.incidents()] for ws in hosts}
+    assert gens == {"hA": [1], "hB": [1]}, (gens, *outs)
+    final = json.loads((tmp_path / "final.json").read_text())["w"]
+    assert final == _fault_free(), (final, _fault_free())
