@@ -78,6 +78,7 @@ class Daemon(Supervisor):
     def each_round(self, now: float) -> None:
         if self._reload_asked:
             self._reload_asked = False
+            self.agenda.poke_all()  # a reload may change any job: each ticks next round
             self.reload()
         self.service.watchdog(now)
         if now >= self._status_at:

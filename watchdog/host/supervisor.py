@@ -10,7 +10,6 @@ import contextlib
 import logging
 import os
 import selectors
-import shutil
 import signal
 import threading
 import time
@@ -18,12 +17,14 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from trainwatch.actions import credentials, jobenv, tree
+from trainwatch.actions import credentials, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.export.metrics import Exporter
 from trainwatch.host import operations
 from trainwatch.host.access import Peer
+from trainwatch.host.agenda import Agenda
 from trainwatch.host.control import ControlSocket
+from trainwatch.host.jobcheck import check_command
 from trainwatch.lifecycle.job import JobRunner
 from trainwatch.sources.heartbeat import SocketInUse
 from trainwatch.state import joblock, ownership
@@ -87,6 +88,7 @@ class Supervisor:
             raise
         self.ledger = Ledger(config.state_dir)
         self.sel = selectors.DefaultSelector()
+        self.agenda = Agenda(self.sel)  # which jobs a round ticks (agenda.py)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.gpus: GpuWatch | None = None
         if config.gpu.backend != "off":
@@ -140,9 +142,10 @@ class Supervisor:
         check_command(j, foreground=self.die_with_parent)
 
     def _runner(self, config: Config, j: Job) -> JobRunner:
-        return JobRunner(config, j, self.ledger, self.sel, self.passthrough, self.clock,
-                         gpus=self.gpus, events=self.exporter.events,
-                         die_with_parent=self.die_with_parent, umask=self.job_umask)
+        return self.agenda.add(JobRunner(
+            config, j, self.ledger, self.agenda.selector(), self.passthrough, self.clock,
+            gpus=self.gpus, events=self.exporter.events,
+            die_with_parent=self.die_with_parent, umask=self.job_umask))
 
     def add_runner(self, config: Config, j: Job) -> JobRunner:
         """A job added by a reload: its lock and socket, then its runner."""
@@ -170,6 +173,7 @@ class Supervisor:
     def _drop(self, r: JobRunner, release: bool) -> None:
         r.close(release=release)
         self.runners.remove(r)
+        self.agenda.discard(r)
         for lk in self.locks:
             if lk.path.parent.name == r.job.name:
                 lk.release()
@@ -193,6 +197,7 @@ class Supervisor:
         if self.stop_signal is not None and not self._stop_sent:
             self._stop_sent = True
             name = signal.Signals(self.stop_signal).name
+            self.agenda.poke_all()
             for r in self.runners:
                 self._guarded(r.stop, f"operator: {name}")
         return not all(r.done for r in self.runners)
@@ -229,6 +234,7 @@ class Supervisor:
     def _on_control(self, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
         """An operator's command (operations.py) or a drill from faultinject
         (drillrequests.py), from ``peer``: authorised there, per request."""
+        self.agenda.poke_all()  # any job may be changed by it: each is ticked
         return operations.answer(self, op, args, peer)
 
     def reap_strays(self) -> None:
@@ -248,6 +254,7 @@ class Supervisor:
         for fault in self.gpus.drain():
             for r in self.runners:
                 if not r.done and r.uses_gpu(fault.gpu):
+                    self.agenda.poke(r)
                     r.on_gpu_fault(fault)
 
     def _guarded(self, fn: Callable[..., object], *args: object) -> None:
@@ -298,7 +305,7 @@ class Supervisor:
             self.begin()
             while self.keep_running():
                 now = self.clock()
-                wake = min([now + _MAX_SLEEP, *(self._next_wake(r, now) for r in self.runners)])
+                wake = min(now + _MAX_SLEEP, self.agenda.next_wake(now))
                 sleep = max(0.0, wake - now)
                 if self._failed_now:  # a handler that keeps failing must not spin the loop
                     self._failed_now, sleep = False, max(sleep, _ERROR_PAUSE)
@@ -311,8 +318,9 @@ class Supervisor:
                     self._guarded(key.data, key.fd)
                 self._guarded(self._route_gpu_faults)
                 now = self.clock()
-                for r in self.runners:
+                for r in self.agenda.due(now):  # those whose wake came, or an event
                     self._guarded(r.tick, now)
+                    self.agenda.planned(r, self._next_wake(r, self.clock()))
                 for r in [r for r in self._removing if r.done]:
                     self._removing.remove(r)
                     self._guarded(self._drop, r, False)
@@ -341,30 +349,3 @@ class Supervisor:
             lk.release()
         os.umask(self.job_umask)
 
-
-def check_command(job: Job, foreground: bool = True) -> None:
-    """A missing program, workdir or user is the user's mistake: say so before
-    anything starts (in the daemon, before any other job is launched)."""
-    if job.workdir is not None and not os.path.isdir(job.workdir):
-        raise ConfigError(f"jobs.{job.name}.workdir: {job.workdir}: no such directory")
-    try:
-        credentials.resolve(job.user, job.group)
-    except KeyError:
-        raise ConfigError(f"jobs.{job.name}.user: no such user {job.user!r}") from None
-    except OSError as e:
-        where = "group" if job.group is not None else "user"
-        raise ConfigError(f"jobs.{job.name}.{where}: {e.strerror or e}") from None
-    except (OverflowError, ValueError) as e:  # resolve's checks missed a way: still one line
-        where, said = ("user", job.user) if job.user is not None else ("group", job.group)
-        raise ConfigError(f"jobs.{job.name}.{where}: cannot resolve {said!r}: {e}") from None
-    prog = job.command[0]
-    env_path = jobenv.path(job, foreground)  # the PATH the job gets
-    if "/" in prog:
-        found = os.path.join(job.workdir or os.getcwd(), prog)
-        ok = os.path.isfile(found) and os.access(found, os.X_OK)
-    else:
-        ok = shutil.which(prog, path=env_path) is not None
-    if not ok:
-        raise ConfigError(f"jobs.{job.name}.command: {prog}: cannot start: "
-                          "No such file or directory (or not executable)"
-                          + ("" if "/" in prog else f" in the job's PATH {env_path}"))
