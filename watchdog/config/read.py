@@ -253,7 +253,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
         defined = ", ".join(sorted(policies))
         raise r.fail(f"{path}.policy", f"a policy defined under policies ({defined})", policy)
     gp = f"{path}.gpus"
-    g = r.mapping(m.get("gpus"), gp, {"devices", "min"})
+    g = r.mapping(m.get("gpus"), gp, {"devices", "min", "preflight_every"})
     devices = g.get("devices")
     if devices is not None and (
         not isinstance(devices, list) or not devices
@@ -265,6 +265,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
     gpus = Gpus(
         devices=tuple(devices) if devices is not None else None,
         min=r.get(g, "min", gp, fields.POSITIVE, 1),
+        preflight_every=r.get(g, "preflight_every", gp, _DUR, Gpus.preflight_every),
     )
     if gpus.devices is not None and gpus.min > len(gpus.devices):
         raise r.fail(f"{gp}.min", f"at most the {len(gpus.devices)} devices listed", gpus.min)

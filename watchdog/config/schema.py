@@ -203,6 +203,9 @@ class Gpus:
 
     devices: tuple[int, ...] | None = None
     min: int = 1
+    # A host of a multi-host job that lost GPUs below min runs a pre-flight of
+    # them this often while it is out of the group (multihost/leave.py).
+    preflight_every: float = 10.0
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,9 @@ class Overlay:
 
     fields: dict[int, dict[str, object]] = field(default_factory=dict)
     added_uncorrected: dict[int, int] = field(default_factory=dict)
+    # An injected Xid whose GPU must be reset (79: fallen off the bus) leaves it
+    # broken until cleared: a pre-flight fails on it (multihost/preflight.py).
+    broken: dict[int, str] = field(default_factory=dict)
 
     def ecc(self, gpu: int, uncorrected: bool) -> None:
         if uncorrected:
@@ -36,6 +39,7 @@ class Overlay:
     def clear(self, gpu: int) -> None:
         self.fields.pop(gpu, None)
         self.added_uncorrected.pop(gpu, None)
+        self.broken.pop(gpu, None)
 
     def apply(self, samples: list[GpuSample]) -> list[GpuSample]:
         out = []

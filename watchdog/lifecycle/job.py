@@ -38,7 +38,7 @@ from trainwatch.host import adopt
 from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.drill import DrillNotice
 from trainwatch.lifecycle.policy import RestartHistory, XidHistory
-from trainwatch.multihost import group
+from trainwatch.multihost import group, leave
 from trainwatch.privsep import jobhands
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime, verifier
@@ -314,7 +314,7 @@ class JobRunner:
             live.check(self, a, now)
         elif self.state is JobState.STOPPING:
             stopping.advance(self, now)
-        elif self.state is JobState.BACKOFF and now >= self.relaunch_at:
+        elif self.state is JobState.BACKOFF and leave.relaunch_due(self, now):
             launch(self, "relaunch")
 
     def next_wake(self, now: float) -> float:

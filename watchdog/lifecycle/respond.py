@@ -13,7 +13,7 @@ from trainwatch.actions import stop as stopping
 from trainwatch.evidence import series
 from trainwatch.evidence.show import folder
 from trainwatch.lifecycle.policy import choose, decide
-from trainwatch.multihost import group
+from trainwatch.multihost import group, leave
 from trainwatch.types import Action, Fault, FaultKind, JobState
 from trainwatch.watch import firstfailure
 
@@ -146,6 +146,11 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
         exclude(r, fault)
         left = r.gpus()
         if left is not None and len(left) < r.job.gpus.min:
+            waits = None if fatal else leave.leave(r, fault, incident)
+            if waits is not None:  # a multi-host job: this host leaves its group
+                stop(JobState.BACKOFF, f"{fault.kind.value}: {waits}",
+                     r.job.gpus.preflight_every)
+                return
             run_exec_hook(r, fault.kind.value, fault.gpu)
             stop(JobState.FATAL, f"{fault.kind.value}: only {len(left)} healthy "
                                  f"GPUs left, the job needs {r.job.gpus.min}")

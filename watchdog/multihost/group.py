@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
     from trainwatch.config import Config, Job
     from trainwatch.lifecycle.runner import Runner
+    from trainwatch.multihost.leave import Joining, Out
 
 log = logging.getLogger("trainwatch")
 
@@ -63,6 +64,8 @@ class Group:
     exits_seen: int = 0
     held_since: float | None = None  # a hang held for the host that has its cause
     settle: tuple[int, int, str, float] | None = None  # restart, incident, began, when
+    out: Out | None = None  # this host left the group: its pre-flight (leave.py)
+    joining: Joining | None = None  # a peer's join, followed: its admission is due
 
 
 def for_job(config: Config, job: Job) -> Group | None:
@@ -125,6 +128,10 @@ def check(r: Runner, a: Attempt, now: float) -> None:
     g.exits_seen += len(judged) if len(judged) == len(new) else 0
     failed = [e for e in judged if e.returncode != 0]
     if failed and len(judged) == len(new) and _leader_alive(a):
+        from trainwatch.multihost import leave  # it calls new_round(): at run time
+
+        if leave.admitted(r, a, now):  # torchrun restarts them for a joining host
+            return
         first = r.first_failure.exits.first_failure() or failed[0]
         fault = Fault(FaultKind.CRASH, r.job.name, first.at, {"rank_exit": first.evidence()},
                       rank=first.rank, onset_step=r.last_step, onset_known=False)
@@ -203,13 +210,18 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
     g = r.group
     assert g is not None
     g.gen = rec.gen
+    from trainwatch.multihost import leave  # it calls new_round(): at run time
+
+    if rec.joins is not None:  # a host back from its pre-flight: not a fault here
+        leave.follow_join(r, rec, now)
+        return
     try:
         kind = FaultKind(rec.kind)
     except ValueError:
         kind = FaultKind.CRASH
     fault = Fault(kind, r.job.name, now, {"group_restart": rec.gen, "began": rec.began,
                                           "decided_by": rec.host, "followed": True,
-                                          "claims": rec.claimed()},
+                                          "claims": rec.claimed(), **leave.evidence(r, rec)},
                   onset_step=r.last_step, onset_known=False)
     from trainwatch.lifecycle.policy import decide
 
@@ -220,6 +232,7 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
         d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, Action.RESTART,
                    charged=rec.charged)
         reason, fatal = d.reason, d.fatal
+    reason += leave.note(r, rec)  # a host left the group: does it go on without it?
     r.events.faults.labels(r.job.name, kind.value).inc()
     incident = r.ledger.incident(fault, Action.RESTART.value,
                                  f"group restart {rec.gen} (began on {rec.began}): {reason}",
@@ -246,9 +259,12 @@ def _where(rec: records.Restart) -> str:
 
 def _amend(r: Runner, incident: int | None, rec: records.Restart, won: bool) -> None:
     if incident is not None and incident >= 0:
+        from trainwatch.multihost import leave
+
         r.ledger.amend(incident, {"group_restart": rec.gen, "began": rec.began,
                                   "decided_by": rec.host, "decided_here": won,
-                                  "charged": rec.charged, "claims": rec.claimed()}, None)
+                                  "charged": rec.charged, "claims": rec.claimed(),
+                                  **leave.evidence(r, rec)}, None)
         assert r.group is not None
         r.group.settle = (rec.gen, incident, rec.began, r.clock() + SETTLE)
 

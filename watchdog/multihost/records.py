@@ -169,7 +169,11 @@ class Restart:
     began_host: str
     began_rank: int | None
     began_at: float | None  # wall time of the earliest claim
-    charged: bool = True  # to the budget (False: a rollback's widening)
+    charged: bool = True  # to the budget (False: a rollback's widening, a join)
+    # A host whose GPUs failed leaves the group; it joins again after its
+    # pre-flight (multihost/leave.py).
+    leaves: str | None = None
+    joins: str | None = None
     # Every host's claim, earliest first: (host, kind, rank, wall time).
     claims: tuple[tuple[str, str, int | None, float], ...] = ()
 
@@ -222,6 +226,8 @@ def parse(raw: object) -> Restart | None:
         began_rank=_int(first.get("rank")),
         began_at=_time(first.get("at")),
         charged=decision.get("charged") is not False,
+        leaves=_str(decision.get("leaves"), 64),
+        joins=_str(decision.get("joins"), 64),
         claims=tuple(sorted(
             ((_str(c.get("host"), 64) or "?", _str(c.get("kind"), 64) or "?",
               _int(c.get("rank")), _time(c.get("at")) or 0.0) for c in claims),

@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainwatch.config import ConfigError, Gpu
+from trainwatch.detectors.xid import classify
 from trainwatch.lifecycle.drill import Overlay
 from trainwatch.sources.gpusim import SimGpus
 from trainwatch.sources.kmsg import KernelLog, KernelLogError
 from trainwatch.state import atomic, statewrites
 from trainwatch.state.gpuhealth import GpuHealth
-from trainwatch.types import Fault, GpuSample, XidEvent
+from trainwatch.types import Action, Fault, GpuSample, XidEvent
 
 log = logging.getLogger("trainwatch")
 
@@ -209,6 +210,8 @@ class GpuWatch:
     def inject_xid(self, gpu: int, xid: int, message: str = "") -> None:
         """A drill: handled exactly like an Xid from NVML, marked injected."""
         self._check(gpu)
+        if classify(xid, message).action is Action.RESTART_EXCLUDE_GPU:
+            self.overlay.broken[gpu] = f"injected Xid {xid}, not cleared"
         ev = XidEvent(xid, self.clock(), "drill", gpu=gpu, message=message, injected=True)
         self._put("xids", [ev])
 
