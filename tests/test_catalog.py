@@ -350,3 +350,35 @@ def test_a_flood_of_reports_is_bounded_and_written_once_a_second(
     cat.flush(force=True)
     on_disk = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner=cat.owner)
     assert on_disk.reported == cat.reported
+
+
+def test_a_report_is_written_without_fsync_and_a_bad_mark_or_resume_with_it(
+    ckpt_dir: Path, state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reports alone skip the fsyncs (a power loss costs a report, learned again from the
+    folder); a bad mark, a failed start and a resume are written durably, as is the close."""
+    from trainwatch.state import atomic
+    from trainwatch.state import catalog as catalog_module
+
+    writes: list[bool] = []
+    real = atomic.write_json
+
+    def spy(path: Path, obj: object, durable: bool = True, mode: int = atomic.FILE_MODE) -> None:
+        writes.append(durable)
+        real(path, obj, durable=durable, mode=mode)  # the real write, recorded
+
+    monkeypatch.setattr(catalog_module.atomic, "write_json", spy)
+    _make(ckpt_dir, "step_10", "file", age=0.0)
+    cat = _catalog(ckpt_dir, state)
+    assert cat.report(10, str(ckpt_dir / "step_10"))
+    assert writes == [False]
+    cat.mark_bad(10, "changed since its manifest")
+    cat.start_failed(10)
+    assert writes == [False, True, True]
+    cat.used_by(10, 3)
+    cat.flush(force=False)  # within SAVE_EVERY of the last flush: waits
+    cat.close()
+    assert writes[-1] is True
+    again = _catalog(ckpt_dir, state)
+    assert again.reported == {10: str(ckpt_dir / "step_10")} and again.used == {10: [3]}
+    assert again.bad[10] == "changed since its manifest"

@@ -12,6 +12,14 @@ reported or not. A checkpoint from which the job dies before its first
 heartbeat ``bad_after`` times in a row is marked bad and passed over. The
 catalog never deletes or writes a checkpoint; its own state is one JSON file
 written atomically, bounded (``MAX_REPORTS``) and at most once a second.
+
+A write that only adds reports (a new checkpoint, its health) is not fsynced:
+still old-or-new for a reader, but a power loss may lose the last reports. That
+costs little: the checkpoints are on disk and are learned again from the
+folder (a marker, a framework's layout, ``quiet_for``); one whose completeness
+only its report said counts as incomplete, so a relaunch resumes from the good
+one before it. What must survive (bad, quarantined, failed starts, which
+attempts resumed from which step) is written durably, file and folder fsynced.
 """
 
 from __future__ import annotations
@@ -110,6 +118,7 @@ class Catalog:
             (int(fence[0]), str(fence[1])) if isinstance(fence, list) and len(fence) == 2
             and isinstance(fence[0], int) else None)
         self._dirty = False
+        self._durable = False  # a pending change that must survive a power loss
         self._saved_at = -SAVE_EVERY
         self.failed_starts: dict[int, int] = {
             int(k): int(v) for k, v in state.get("failed_starts", {}).items()
@@ -146,14 +155,16 @@ class Catalog:
         self.checking: object = None  # an actions.verify.Check
         self.refusal: str | None = None  # why the last report was refused (REFUSALS)
 
-    def _save(self) -> None:
+    def _save(self, durable: bool = True) -> None:
+        if durable:
+            self._durable = False
         try:
-            self._write()
+            self._write(durable)
         except (OSError, ValueError, TypeError) as e:
             # Counted and survived: the catalog also finds checkpoints on disk.
             statewrites.failed("catalog", self.state_file, e)
 
-    def _write(self) -> None:
+    def _write(self, durable: bool = True) -> None:
         atomic.write_json(
             self.state_file,
             {"owner": self.owner, "reported": self.reported, "bad": self.bad,
@@ -161,7 +172,7 @@ class Catalog:
              "versions": {k: list(v) for k, v in self.versions.items()},
              "used": self.used,
              "fence": list(self.fence) if self.fence else None},
-        )
+            durable=durable)
 
     def step_of(self, path: str) -> int | None:
         return self.layout.step_of(path)
@@ -198,7 +209,7 @@ class Catalog:
     def _entry(self, step: int, path: str, complete: bool, why: str) -> Entry:
         if self.fence is not None and step > self.fence[0] and step not in self.bad:
             self.bad[step] = f"{QUARANTINED}{self.fence[1]}"
-            self._dirty = True
+            self._dirty = self._durable = True
         if step in self.bad:
             return Entry(step, path, complete, True, f"bad: {self.bad[step]}")
         return Entry(step, path, complete, False, why)
@@ -229,7 +240,7 @@ class Catalog:
         self.used[step] = self.used[step][-16:]
         while len(self.used) > MAX_REPORTS:
             del self.used[min(self.used)]
-        self._dirty = True
+        self._dirty = self._durable = True
 
     def mark_bad(self, step: int, why: str) -> None:
         """Verification found it changed since its manifest: never resumed from."""
@@ -288,7 +299,7 @@ class Catalog:
             return False
         if self.bad.get(step, "").startswith(QUARANTINED):
             del self.bad[step]
-            self._dirty = True
+            self._dirty = self._durable = True
             self._stale.add(step)
             if self.verifier is not None:
                 self.verifier.forget(step)  # written anew: its old manifest is not its
@@ -312,11 +323,12 @@ class Catalog:
         return True
 
     def flush(self, force: bool = False) -> None:
-        """Write pending reports, at most once per SAVE_EVERY unless forced."""
+        """Write pending reports, at most once per SAVE_EVERY unless forced; fsynced
+        only when forced (at close) or a pending change must be durable."""
         now = time.monotonic()
         if self._dirty and (force or now - self._saved_at >= SAVE_EVERY):
             self._dirty, self._saved_at = False, now
-            self._save()
+            self._save(durable=force or self._durable)
 
     def quarantine_after(self, step: int, why: str) -> None:
         """Checkpoints newer than ``step`` are never resumed from again (a rollback
