@@ -50,6 +50,7 @@ HOLD = 5.0
 # Every host's claim is in by then: where a restart began is read again (the host
 # that made it may have read only its own claim, a victim's).
 SETTLE = 2.0
+ABSORB = 2  # failures before the first beat after a restart taken as part of it
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Group:
     before: set[int] = field(default_factory=set)
     exits_seen: int = 0
     held_since: float | None = None  # a hang held for the host that has its cause
+    absorbed: int = 0  # failures taken as part of the last restart (before a beat)
     settle: tuple[int, int, str, float] | None = None  # restart, incident, began, when
     out: Out | None = None  # this host left the group: its pre-flight (leave.py)
     joining: Joining | None = None  # a peer's join, followed: its admission is due
@@ -120,6 +122,8 @@ def check(r: Runner, a: Attempt, now: float) -> None:
     if g is None:
         return
     _baseline(r, g)
+    if r.ranks.beaten:
+        g.absorbed = 0  # the group's last restart is done here
     exits = r.first_failure.exits.exits
     new = [e for e in exits[g.exits_seen:] if e.pid not in g.before]
     # An exit 0 is the run's end (the agent ends next); one reaped before we read
@@ -175,9 +179,11 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
     if g is None or a is None:
         return False
     _baseline(r, g)
-    cp = r.catalog.last_good()  # after a rollback's quarantine: before the anomaly
     wall = time.time()
     onset = wall - max(0.0, r.clock() - fault.onset)
+    if g.gen > (g.base or 0) and not r.ranks.beaten and g.absorbed < ABSORB:
+        return _part_of_last(r, g, a, fault, incident, charged, onset)
+    cp = r.catalog.last_good()  # after a rollback's quarantine: before the anomaly
     decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
                 "at": wall, "charged": charged}
@@ -201,6 +207,32 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
     if not _leader_alive(a):
         return False
     new_round(r, a, rec, incident, f"group restart {g.gen}: {reason}", onset)
+    return True
+
+
+def _part_of_last(r: Runner, g: Group, a: Attempt, fault: Fault, incident: int | None,
+                  charged: bool, onset: float) -> bool:
+    """A failure before this host's ranks beat again since the group's last
+    restart (its agent lost the rendezvous store that ended with another host's
+    agent; a worker's collective failed while the round formed): part of that
+    restart, claimed in it and not charged again; at most ABSORB times, so that
+    a start that always fails still spends the budget."""
+    g.absorbed += 1
+    _call(r, records.claim_in_hand, g.root, g.gen, g.host,
+          {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident})
+    if charged and r.history.restarts:
+        r.history.restarts.pop()  # decide() granted it last
+    if incident is not None and incident >= 0:
+        r.ledger.amend(incident, {"group_restart": g.gen, "part_of_restart": True,
+                                  "charged": False}, None)
+    log.warning("job %s: %s before this host's ranks beat again: part of group restart %d, "
+                "not charged again (%d of %d)", r.job.name, fault.kind.value, g.gen,
+                g.absorbed, ABSORB)
+    rec = records.parse(_call(r, records.newest_in_hand, g.root, g.gen - 1))
+    if not _leader_alive(a):
+        return False
+    new_round(r, a, rec if rec is not None and rec.gen == g.gen else None, incident,
+              f"part of group restart {g.gen}", onset)
     return True
 
 
