@@ -111,6 +111,15 @@ def _hosts(tmp_path: Path, *args: str, n: int = 2,
     return [ws for ws, _ in hosts], journal, ckpt
 
 
+def _stop(hosts: list[Workspace]) -> list[str]:
+    """Every host's trainwatch stopped (SIGTERM: its job with it); their outputs."""
+    for ws in hosts:
+        for p in ws.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+    return [finish(p, timeout=60)[1] for ws in hosts for p in ws.procs]
+
+
 def _journal(path: Path) -> list[dict[str, object]]:
     if not path.exists():
         return []
@@ -138,17 +147,14 @@ def _drill(tmp_path: Path, sig: signal.Signals, kind: str, n: int = 2, **job: ob
         wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
                  what="the run to finish")
     finally:
-        for ws in hosts:
-            for p in ws.procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-        outs = [finish(p, timeout=60)[1] for ws in hosts for p in ws.procs]
+        outs = _stop(hosts)
     runs = _journal(journal)
     starts = [e["start"] for e in runs]
     assert starts[:n] == [0] * n and len(runs) == 2 * n, (runs, *(o[-3000:] for o in outs))
     assert len(set(starts[n:])) == 1 and isinstance(starts[n], int) and starts[n] >= 10, runs
     incs = {ws.root.name: ws.incidents() for ws in hosts}
-    for name, got in incs.items():
+    for ws in hosts:
+        name, got = ws.root.name, incs[ws.root.name]
         assert len(got) == 1, (name, got, outs)
         ev = json.loads(got[0]["evidence"])
         assert (ev.get("group_restart"), ev.get("began")) == (1, f"hB rank {rank}"), (name, ev)
@@ -198,11 +204,7 @@ def test_a_nan_seen_on_rank_0s_host_rolls_the_whole_group_back_with_one_skip_win
         wait_for(lambda: (tmp_path / "final.json").exists(), timeout=240,
                  what="the run to finish")
     finally:
-        for ws in (a, b):
-            for p in ws.procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-        outs = [finish(p, timeout=60)[1] for ws in (a, b) for p in ws.procs]
+        outs = _stop([a, b])
     runs = _journal(journal)
     lead = next(e["host"] for e in runs if e["rank"] == 0)
     assert len(runs) >= 4 and len(runs) % 2 == 0, (runs, outs)
@@ -286,11 +288,7 @@ def test_a_host_whose_agent_is_killed_kills_its_workers_and_rejoins_the_group(
         wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
                  what="the run to finish")
     finally:
-        for ws in hosts:
-            for p in ws.procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-        outs = [finish(p, timeout=60)[1] for ws in hosts for p in ws.procs]
+        outs = _stop(hosts)
     runs = _journal(journal)
     assert len(runs) == 4 and runs[2]["start"] == runs[3]["start"], (runs, *outs)
     for ws in hosts:  # one restart; a host whose agent lost the store with B's: part of it
