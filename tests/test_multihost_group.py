@@ -165,6 +165,9 @@ def _drill(tmp_path: Path, sig: signal.Signals, kind: str, n: int = 2, **job: ob
         shown_ok = f"group restart 1: began on hB rank {rank}" in shown
         assert shown_ok, (name, shown)
     assert incs["hB"][0]["kind"] == kind, incs
+    if kind == "hang":  # its evidence taken before the group restart ended the workers
+        ev_b = json.loads(incs["hB"][0]["evidence"])
+        assert ev_b.get("evidence_dir") and ev_b.get("stacks"), ev_b
     tracker = (tmp_path / "ckpt" / ".trainwatch" / "resume-from").read_text()  # no client: this
     assert tracker == f"{tmp_path / 'ckpt' / f'step_{starts[n]}'}\n", tracker
     final = json.loads((tmp_path / "final.json").read_text())["w"]

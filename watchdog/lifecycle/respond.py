@@ -165,7 +165,7 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
         stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
         return
     charged = plan is None or plan.widening == 0
-    if group.act(r, fault, incident, reason, charged):  # a multi-host job: its group restarts
+    if group.act(r, fault, incident, reason, charged, capture):  # a job across hosts
         return
     r.pending_incident = incident
     stop(JobState.BACKOFF, f"{fault.kind.value}: {reason}", delay or 0.0)

@@ -36,6 +36,7 @@ from trainwatch.types import Action, Fault, FaultKind, JobState
 if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
     from trainwatch.config import Config, Job
+    from trainwatch.evidence.capture import Capture
     from trainwatch.lifecycle.runner import Runner
     from trainwatch.multihost.leave import Joining, Out
 
@@ -65,6 +66,7 @@ class Group:
     exits_seen: int = 0
     held_since: float | None = None  # a hang held for the host that has its cause
     absorbed: int = 0  # failures taken as part of the last restart (before a beat)
+    pending: Pending | None = None  # our workers, kept for the fault's evidence
     settle: tuple[int, int, str, float] | None = None  # restart, incident, began, when
     out: Out | None = None  # this host left the group: its pre-flight (leave.py)
     joining: Joining | None = None  # a peer's join, followed: its admission is due
@@ -116,12 +118,16 @@ def _leader_alive(a: Attempt) -> bool:
     return a.returncode is None and not a.closed
 
 
-def check(r: Runner, a: Attempt, now: float) -> None:
-    """A live attempt's tick: a rank that ended by itself, or a peer's restart."""
+def check(r: Runner, a: Attempt, now: float) -> bool:
+    """A live attempt's tick: a rank that ended by itself, or a peer's restart.
+    True while this host's part of a restart waits for its evidence: nothing
+    else is judged meanwhile."""
     g = r.group
     if g is None:
-        return
+        return False
     _baseline(r, g)
+    if g.pending is not None:
+        return _after_evidence(r, g, a, now)
     if r.ranks.beaten:
         g.absorbed = 0  # the group's last restart is done here
     exits = r.first_failure.exits.exits
@@ -135,14 +141,14 @@ def check(r: Runner, a: Attempt, now: float) -> None:
         from trainwatch.multihost import leave  # it calls new_round(): at run time
 
         if leave.admitted(r, a, now):  # torchrun restarts them for a joining host
-            return
+            return False
         first = r.first_failure.exits.first_failure() or failed[0]
         fault = Fault(FaultKind.CRASH, r.job.name, first.at, {"rank_exit": first.evidence()},
                       rank=first.rank, onset_step=r.last_step, onset_known=False)
         from trainwatch.lifecycle import respond  # respond calls act(): one circle, at run time
 
         respond.handle(r, fault)
-        return
+        return False
     if g.settle is not None and now >= g.settle[3]:
         _settle(r, g)
     if now >= g.poll_at:
@@ -150,6 +156,33 @@ def check(r: Runner, a: Attempt, now: float) -> None:
         rec = records.parse(_call(r, records.newest_in_hand, g.root, g.gen))
         if rec is not None and rec.gen > g.gen:
             follow(r, a, rec, now)
+    return False
+
+
+@dataclass
+class Pending:
+    """This host's workers, kept until the evidence of the fault is taken."""
+
+    capture: Capture
+    rec: records.Restart | None
+    incident: int | None
+    reason: str
+    onset: float
+    deadline: float
+
+
+def _after_evidence(r: Runner, g: Group, a: Attempt, now: float) -> bool:
+    p = g.pending
+    assert p is not None
+    if not p.capture.done and now < p.deadline:
+        return True
+    g.pending = None
+    from trainwatch.actions import evidence  # it imports the lifecycle: at run time
+
+    if p.incident is not None and p.incident >= 0:
+        evidence.finish(r, p.capture, p.incident)
+    new_round(r, a, p.rec, p.incident, p.reason, p.onset)
+    return True
 
 
 def held(r: Runner, fault: Fault, now: float) -> bool:
@@ -169,7 +202,8 @@ def held(r: Runner, fault: Fault, now: float) -> bool:
     return now - g.held_since < HOLD
 
 
-def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: bool) -> bool:
+def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: bool,
+        capture: Capture | None = None) -> bool:
     """This host acts on ``fault`` (a restart or rollback, decided; ``charged``:
     it spent one of the budget): the group restarts. True when done here (the
     agent lives: its workers end and it restarts them); False when the agent is
@@ -206,7 +240,16 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
                     rec.began, _where(rec))
     if not _leader_alive(a):
         return False
-    new_round(r, a, rec, incident, f"group restart {g.gen}: {reason}", onset)
+    why = f"group restart {g.gen}: {reason}"
+    if capture is not None and not capture.done:  # the stacks as they were, then the end
+        g.pending = Pending(capture, rec, incident, why, onset, r.clock() + capture.timeout + 1.0)
+        r.hang_latched = True
+        return True
+    if capture is not None and incident is not None and incident >= 0:
+        from trainwatch.actions import evidence
+
+        evidence.finish(r, capture, incident)
+    new_round(r, a, rec, incident, why, onset)
     return True
 
 

@@ -31,8 +31,8 @@ def check(r: Runner, a: Attempt, now: float) -> None:
             and now - a.started >= RUNNING_WITHOUT_BEATS:
         r.to(JobState.RUNNING, f"up {RUNNING_WITHOUT_BEATS:g}s without heartbeats")
     r.first_failure.tick(r, now)  # the rank processes, watched
-    group.check(r, a, now)  # a multi-host job: a rank's own end, a peer's restart
-    if r.state not in _LIVE:
+    # A multi-host job: a rank's own end, a peer's restart, evidence before a restart.
+    if group.check(r, a, now) or r.state not in _LIVE:
         return
     logwatch.check(r, now)
     stallwatch.check(r, now)
