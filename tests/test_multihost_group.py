@@ -71,13 +71,14 @@ _TRAINER = textwrap.dedent(
 )
 
 
-def _fault_free(skip: tuple[int, int] | None = None, world: int = 2) -> list[float]:
+def _fault_free(skip: tuple[int, int] | None = None, world: int = 2,
+                steps: int = STEPS) -> list[float]:
     """The weights a run of ``world`` ranks without faults ends with (the
     trainer's arithmetic, its all-reduce summing in rank order), the steps of
     ``skip`` skipped."""
     target = [1.0, -2.0, 0.5, 3.0]
     w = [0.0] * 4
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         if skip and skip[0] <= step <= skip[1]:
             continue
         g = [sum((wi - ti) * (k + 1) for k in range(world)) for wi, ti in zip(w, target,
@@ -86,7 +87,7 @@ def _fault_free(skip: tuple[int, int] | None = None, world: int = 2) -> list[flo
     return w
 
 
-def _hosts(tmp_path: Path, *args: str, n: int = 2,
+def _hosts(tmp_path: Path, *args: str, n: int = 2, steps: int = STEPS,
            **job: object) -> tuple[list[Workspace], Path, Path]:
     ckpt, journal = tmp_path / "ckpt", tmp_path / "journal.jsonl"
     ckpt.mkdir()
@@ -96,7 +97,7 @@ def _hosts(tmp_path: Path, *args: str, n: int = 2,
     command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={n}",
                "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                "--rdzv-id=tw-group", "--monitor-interval=0.1", str(script), str(ckpt),
-               str(journal), str(STEPS), *args]
+               str(journal), str(steps), *args]
     hosts = []
     for name in ("hA", "hB", "hC")[:n]:
         ws = Workspace(tmp_path / name)
@@ -126,13 +127,14 @@ def _journal(path: Path) -> list[dict[str, object]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x]
 
 
-def _drill(tmp_path: Path, sig: signal.Signals, kind: str, n: int = 2, **job: object) -> float:
+def _drill(tmp_path: Path, sig: signal.Signals, kind: str, n: int = 2, steps: int = STEPS,
+           **job: object) -> float:
     """``sig`` to host B's rank at step 12 (of ``n`` hosts): every rank resumes
     from one step, each host records one incident naming group restart 1 that
     began at B's rank (``kind`` there), each charges it once, and the run ends
     with the fault-free run's weights. Seconds from the signal until every rank
     started again."""
-    hosts, journal, _ = _hosts(tmp_path, n=n, **job)
+    hosts, journal, _ = _hosts(tmp_path, n=n, steps=steps, **job)
     b = hosts[1]
     try:
         wait_for(lambda: (b.status().get("step") or 0) >= 12, timeout=120,
@@ -168,10 +170,14 @@ def _drill(tmp_path: Path, sig: signal.Signals, kind: str, n: int = 2, **job: ob
     if kind == "hang":  # its evidence taken before the group restart ended the workers
         ev_b = json.loads(incs["hB"][0]["evidence"])
         assert ev_b.get("evidence_dir") and ev_b.get("stacks"), ev_b
+        for ws in hosts:  # every host's stacks judged together, on every host
+            ev = json.loads(incs[ws.root.name][0]["evidence"])
+            across = ev.get("stacks_across_hosts") or {}
+            assert (across.get("hosts"), across.get("suspects")) == (n, [f"hB:{rank}"]), ev
     tracker = (tmp_path / "ckpt" / ".trainwatch" / "resume-from").read_text()  # no client: this
     assert tracker == f"{tmp_path / 'ckpt' / f'step_{starts[n]}'}\n", tracker
     final = json.loads((tmp_path / "final.json").read_text())["w"]
-    want = _fault_free(world=n)
+    want = _fault_free(world=n, steps=steps)
     if n == 2:  # two ranks: one addition per all-reduce, the same bits in any order
         assert final == want, (final, want)
     else:  # three: gloo's ring may add in another order than rank order; the last bits
@@ -191,7 +197,8 @@ def test_a_rank_stopped_on_one_host_is_named_there_and_restarts_the_group_once(
         tmp_path: Path) -> None:
     """SIGSTOP of host B's rank: B names it (a hang), A's ranks, waiting for it in
     the all-reduce, are not named; one group restart from one step."""
-    _drill(tmp_path, signal.SIGSTOP, "hang", heartbeat={"timeout": "3s"})
+    # Long enough after the restart for every host's stacks to be judged together.
+    _drill(tmp_path, signal.SIGSTOP, "hang", steps=160, heartbeat={"timeout": "3s"})
 
 
 def test_a_nan_seen_on_rank_0s_host_rolls_the_whole_group_back_with_one_skip_window(

@@ -176,6 +176,15 @@ def _group(row: dict[str, Any]) -> list[str]:
             stamp = (time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at * 1000) % 1000:03d}"
                      if isinstance(at, (int, float)) else "-")
             out.append(f"  {c.get('host', '?')}{rank}: {c.get('kind', '?')} at {stamp}")
+    across = ev.get("stacks_across_hosts")
+    if isinstance(across, dict):
+        suspects = across.get("suspects") or []
+        out.append(f"  stacks of {across.get('ranks')} ranks on {across.get('hosts')} hosts, "
+                   f"by {across.get('decided_by')}: "
+                   f"{', '.join(map(str, suspects)) if suspects else 'no odd one out'}")
+        for grp in across.get("groups") or []:
+            if isinstance(grp, dict):
+                out.append(f"    {', '.join(map(str, grp.get('ranks') or []))}: {grp.get('top')}")
     return out
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 from trainwatch.actions.tree import stopped_ranks
-from trainwatch.multihost import records
+from trainwatch.multihost import records, stackshare
 from trainwatch.privsep.hand import HandError
 from trainwatch.sources.rankexits import rank_processes
 from trainwatch.sources.ranks import Ranks
@@ -67,7 +67,7 @@ class Group:
     held_since: float | None = None  # a hang held for the host that has its cause
     absorbed: int = 0  # failures taken as part of the last restart (before a beat)
     pending: Pending | None = None  # our workers, kept for the fault's evidence
-    settle: tuple[int, int, str, float] | None = None  # restart, incident, began, when
+    settle: tuple[int, int, str | None, float] | None = None  # restart, incident, began, when
     out: Out | None = None  # this host left the group: its pre-flight (leave.py)
     joining: Joining | None = None  # a peer's join, followed: its admission is due
 
@@ -171,16 +171,41 @@ class Pending:
     deadline: float
 
 
+def _evidence_then_round(r: Runner, g: Group, a: Attempt, capture: Capture | None,
+                         rec: records.Restart | None, incident: int | None, why: str,
+                         onset: float) -> None:
+    """The new round, once this host's evidence of the fault is taken (the stacks
+    as they were: at most evidence.timeout), and shared with the other hosts."""
+    if capture is not None and not capture.done:
+        g.pending = Pending(capture, rec, incident, why, onset, r.clock() + capture.timeout + 1.0)
+        r.hang_latched = True
+        return
+    if capture is not None:
+        _share(r, g, capture, incident)
+    new_round(r, a, rec, incident, why, onset)
+
+
+def _share(r: Runner, g: Group, capture: Capture, incident: int | None) -> None:
+    if incident is None or incident < 0:
+        return
+    from trainwatch.actions import evidence  # it imports the lifecycle: at run time
+
+    evidence.finish(r, capture, incident)
+    shared = stackshare.lines(capture.summary, capture.out)
+    if shared:
+        _call(r, records.stacks_in_hand, g.root, g.gen, g.host, shared)
+        # The other hosts' lines come within their own capture's time.
+        g.settle = (g.gen, incident, g.settle[2] if g.settle else None,
+                    r.clock() + r.job.evidence.timeout + SETTLE)
+
+
 def _after_evidence(r: Runner, g: Group, a: Attempt, now: float) -> bool:
     p = g.pending
     assert p is not None
     if not p.capture.done and now < p.deadline:
         return True
     g.pending = None
-    from trainwatch.actions import evidence  # it imports the lifecycle: at run time
-
-    if p.incident is not None and p.incident >= 0:
-        evidence.finish(r, p.capture, p.incident)
+    _share(r, g, p.capture, p.incident)
     new_round(r, a, p.rec, p.incident, p.reason, p.onset)
     return True
 
@@ -240,16 +265,8 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
                     rec.began, _where(rec))
     if not _leader_alive(a):
         return False
-    why = f"group restart {g.gen}: {reason}"
-    if capture is not None and not capture.done:  # the stacks as they were, then the end
-        g.pending = Pending(capture, rec, incident, why, onset, r.clock() + capture.timeout + 1.0)
-        r.hang_latched = True
-        return True
-    if capture is not None and incident is not None and incident >= 0:
-        from trainwatch.actions import evidence
-
-        evidence.finish(r, capture, incident)
-    new_round(r, a, rec, incident, why, onset)
+    _evidence_then_round(r, g, a, capture, rec, incident, f"group restart {g.gen}: {reason}",
+                         onset)
     return True
 
 
@@ -322,8 +339,12 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
         r.begin_stop(JobState.FATAL, f"group restart {rec.gen}: {reason}")
         return
     r.outages.fault(kind.value, now, now)
-    new_round(r, a, rec, incident, f"group restart {rec.gen} from {rec.began}",
-              rec.began_at if rec.began_at is not None else time.time())
+    from trainwatch.actions import evidence  # this host's ranks as they waited, too
+
+    capture = evidence.start(r, fault, incident)
+    _evidence_then_round(r, g, a, capture, rec, incident,
+                         f"group restart {rec.gen} from {rec.began}",
+                         rec.began_at if rec.began_at is not None else time.time())
 
 
 def _where(rec: records.Restart) -> str:
@@ -353,8 +374,12 @@ def _settle(r: Runner, g: Group) -> None:
     rec = records.parse(raw)
     if rec is None or rec.gen != gen:
         return
-    r.ledger.amend(incident, {"began": rec.began, "claims": rec.claimed()}, None)
-    if rec.began == began:
+    found: dict[str, object] = {"began": rec.began, "claims": rec.claimed()}
+    across = stackshare.judge(list(rec.stacks))
+    if across is not None:
+        found["stacks_across_hosts"] = across
+    r.ledger.amend(incident, found, None)
+    if began is None or rec.began == began:
         return
     log.info("job %s: group restart %d began on %s (every host's claim read; first "
              "thought %s)", r.job.name, gen, rec.began, began)

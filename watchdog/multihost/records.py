@@ -31,6 +31,7 @@ from typing import Any
 FOLDER = ".trainwatch"
 _NAME = re.compile(r"restart-(\d{8})")
 _CLAIM = re.compile(r"claim-([A-Za-z0-9._-]{1,64})\.json")
+_STACKS = re.compile(r"stacks-([A-Za-z0-9._-]{1,64})\.json")
 MAX_NAMES = 4096  # names read from the folder per look
 MAX_CLAIMS = 64  # claims read from one restart's folder
 MAX_BYTES = 16 * 1024  # one record
@@ -95,16 +96,19 @@ def _newest(base: str, after: int) -> int | None:
 def _restart(base: str, gen: int) -> dict[str, Any]:
     d = os.path.join(base, f"restart-{gen:08d}")
     claims: list[dict[str, Any]] = []
+    shared: list[dict[str, Any]] = []
     try:
         with os.scandir(d) as it:
             for e in it:
-                if _CLAIM.fullmatch(e.name) and len(claims) < MAX_CLAIMS:
-                    c = _read(os.path.join(d, e.name))
-                    if c is not None:
-                        claims.append(c)
+                for pattern, into in ((_CLAIM, claims), (_STACKS, shared)):
+                    if pattern.fullmatch(e.name) and len(into) < MAX_CLAIMS:
+                        c = _read(os.path.join(d, e.name))
+                        if c is not None:
+                            into.append(c)
     except OSError:
         pass
-    return {"gen": gen, "decision": _read(os.path.join(d, "decision.json")), "claims": claims}
+    return {"gen": gen, "decision": _read(os.path.join(d, "decision.json")), "claims": claims,
+            "stacks": shared}
 
 
 def begin_in_hand(root: str, gen: int, host: str, decision: dict[str, Any],
@@ -133,6 +137,13 @@ def claim_in_hand(root: str, gen: int, host: str, claim: dict[str, Any]) -> None
     d = os.path.join(folder(root), f"restart-{gen:08d}")
     if os.path.isdir(d):
         _write(d, f"claim-{host}.json", {**claim, "host": host})
+
+
+def stacks_in_hand(root: str, gen: int, host: str, ranks: list[dict[str, Any]]) -> None:
+    """This host's ranks' stacks (multihost/stackshare.py), taken in restart ``gen``."""
+    d = os.path.join(folder(root), f"restart-{gen:08d}")
+    if os.path.isdir(d):
+        _write(d, f"stacks-{host}.json", {"host": host, "ranks": ranks})
 
 
 def newest_in_hand(root: str, after: int) -> dict[str, Any] | None:
@@ -176,6 +187,8 @@ class Restart:
     joins: str | None = None
     # Every host's claim, earliest first: (host, kind, rank, wall time).
     claims: tuple[tuple[str, str, int | None, float], ...] = ()
+    # Every host's shared stack lines (host, line), as stackshare.judge takes them.
+    stacks: tuple[tuple[str, dict[str, Any]], ...] = ()
 
     def claimed(self) -> list[dict[str, object]]:
         """The claims as an incident records them."""
@@ -199,6 +212,16 @@ def _int(x: object) -> int | None:
 def _time(x: object) -> float | None:
     ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
     return float(x) if ok else None  # type: ignore[arg-type]
+
+
+def _shared(raw: object) -> tuple[tuple[str, dict[str, Any]], ...]:
+    out: list[tuple[str, dict[str, Any]]] = []
+    for s in raw if isinstance(raw, list) else []:
+        host = _str(s.get("host"), 64) if isinstance(s, dict) else None
+        ranks = s.get("ranks") if isinstance(s, dict) else None
+        if host is not None and isinstance(ranks, list):
+            out += [(host, line) for line in ranks[:64] if isinstance(line, dict)]
+    return tuple(out)
 
 
 def parse(raw: object) -> Restart | None:
@@ -226,6 +249,7 @@ def parse(raw: object) -> Restart | None:
         began_rank=_int(first.get("rank")),
         began_at=_time(first.get("at")),
         charged=decision.get("charged") is not False,
+        stacks=_shared(raw.get("stacks")),
         leaves=_str(decision.get("leaves"), 64),
         joins=_str(decision.get("joins"), 64),
         claims=tuple(sorted(
