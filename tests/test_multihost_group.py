@@ -29,9 +29,17 @@ _TRAINER = textwrap.dedent(
     import datetime, json, os, shutil, sys, time
     import torch
     import torch.distributed as dist
-    from trainwatch import client
-    from trainwatch.integrations.torch import agreed_resume
     ckpt, journal, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if os.environ.get("NO_CLIENT"):  # as a loop without trainwatch's client: its tracker
+        def agreed_resume():
+            t = os.path.join(ckpt, ".trainwatch", "resume-from")
+            return (open(t).read().strip() if os.path.exists(t) else "") or None, None
+        class connect:
+            def beat(self, *a, **k): pass
+            def data_order(self, *a, **k): pass
+    else:
+        from trainwatch.client import connect
+        from trainwatch.integrations.torch import agreed_resume
     bad = range(*(int(x) for x in sys.argv[4].split(":"))) if len(sys.argv) > 4 else range(0)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -44,7 +52,7 @@ _TRAINER = textwrap.dedent(
     with open(journal, "a") as f:
         f.write(json.dumps({"rank": rank, "host": os.environ["TRAINWATCH_HOST"],
                             "pid": os.getpid(), "start": start, "skip": skip}) + "\\n")
-    hb = client.connect()
+    hb = connect()
     hb.data_order("step", "batch k is drawn from k", step=start)
     for step in range(start + 1, steps + 1):
         if skip and skip[0] <= step <= skip[1]:
@@ -119,6 +127,15 @@ def _stop(hosts: list[Workspace]) -> list[str]:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
     return [finish(p, timeout=60)[1] for ws in hosts for p in ws.procs]
+
+
+def _one_restart(ws: Workspace, outs: list[str]) -> None:
+    """The host recorded group restart 1 only, charged once (a failure of its own
+    while the round formed, e.g. its agent losing the store: part of it)."""
+    evs = [json.loads(i["evidence"]) for i in ws.incidents()]
+    assert {e.get("group_restart") for e in evs} == {1}, (ws.root.name, evs, *outs)
+    assert sum(e.get("charged", True) is not False and not e.get("part_of_restart")
+               for e in evs) == 1, (ws.root.name, evs)
 
 
 def _journal(path: Path) -> list[dict[str, object]]:
@@ -301,10 +318,34 @@ def test_a_host_whose_agent_is_killed_kills_its_workers_and_rejoins_the_group(
         outs = _stop(hosts)
     runs = _journal(journal)
     assert len(runs) == 4 and runs[2]["start"] == runs[3]["start"], (runs, *outs)
-    for ws in hosts:  # one restart; a host whose agent lost the store with B's: part of it
-        evs = [json.loads(i["evidence"]) for i in ws.incidents()]
-        assert {e.get("group_restart") for e in evs} == {1}, (ws.root.name, evs, *outs)
-        assert sum(e.get("charged", True) is not False and not e.get("part_of_restart")
-                   for e in evs) == 1, (ws.root.name, evs)
+    for ws in hosts:
+        _one_restart(ws, outs)
+    final = json.loads((tmp_path / "final.json").read_text())["w"]
+    assert final == _fault_free(), (final, _fault_free())
+
+
+def test_a_job_without_the_client_resumes_every_rank_from_the_groups_tracker(
+        tmp_path: Path) -> None:
+    """The same trainer without trainwatch's client (no beats; it resumes from
+    <checkpoints.dir>/.trainwatch/resume-from when that names a checkpoint):
+    SIGKILL of host B's rank, seen by its exit, is one group restart, and every
+    rank resumes from the tracker's checkpoint; the fault-free weights."""
+    hosts, journal, ckpt = _hosts(tmp_path, env={"NO_CLIENT": "1"})
+    try:
+        wait_for(lambda: (ckpt / "step_12").exists(), timeout=120,
+                 what="the run to reach step 12")
+        victim = next(int(e["pid"]) for e in _journal(journal)  # type: ignore[call-overload]
+                      if e["host"] == "hB")
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
+                 what="the run to finish")
+    finally:
+        outs = _stop(hosts)
+    runs = _journal(journal)
+    assert len(runs) == 4 and runs[2]["start"] == runs[3]["start"] >= 12, (runs, *outs)
+    tracker = (ckpt / ".trainwatch" / "resume-from").read_text().strip()
+    assert tracker == str(ckpt / f"step_{runs[2]['start']}"), tracker
+    for ws in hosts:
+        _one_restart(ws, outs)
     final = json.loads((tmp_path / "final.json").read_text())["w"]
     assert final == _fault_free(), (final, _fault_free())
