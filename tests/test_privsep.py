@@ -43,6 +43,7 @@ from trainwatch.snapshot import format as snapshot_format
 from trainwatch.sources import ring
 from trainwatch.state import checkpointlist, numbered, ondisk, retention
 from trainwatch.state.catalog import Catalog
+from trainwatch.state.handdisk import HandDisk
 from trainwatch.state.manifest import Store
 from trainwatch.state.verifier import Verifier
 from trainwatch.watch.intake import RING_BUDGET, RING_POLL, Intake
@@ -374,6 +375,31 @@ def test_a_catalog_whose_hand_died_starts_a_new_one_from_a_full_listing(open_tmp
         assert [e.step for e in cat.entries()] == [5, 9]
         assert cat.disk.unanswered == 0  # type: ignore[union-attr]
         assert hand.counts["spawns"] == 2
+    finally:
+        hand.close()
+
+
+def test_roots_mirror_of_a_listing_holds_each_path_and_reason_once(open_tmp: Path) -> None:
+    """Root's mirror of the hand's listing shares the listing's path and int in each
+    verdict, and one string per reason: fewer small objects for a large listing to
+    leave behind in the interpreter's arenas once it is forgotten (issue 21)."""
+    ident = _user()
+    ckpt = open_tmp / "ckpt"
+    ckpt.mkdir()
+    for i in range(40):
+        (ckpt / f"step_{1000 + i}").write_bytes(b"w")
+    _give(ckpt, ident)
+    hand = Hand("t", ident)
+    try:
+        cat = Catalog(Checkpoints(dir=str(ckpt)), open_tmp / "c.json", hand=hand)
+        assert len(cat.entries()) == 40
+        disk = cat.disk
+        assert isinstance(disk, HandDisk) and len(disk.verdicts) == 40
+        assert all(v[0] is disk.paths[s] for s, v in disk.verdicts.items())
+        keys = {id(s) for s in disk.paths}
+        assert all(id(s) in keys for s in disk.verdicts)
+        whys = [v[2] for v in disk.verdicts.values()]
+        assert len({id(w) for w in whys}) == len(set(whys))
     finally:
         hand.close()
 

@@ -179,15 +179,31 @@ class HandDisk:
         self._changes = {}
         return self._apply(reply)
 
+    def _own(self, step: int) -> int:
+        """The mirror's own int for ``step`` where it has one (``steps`` holds the
+        keys of ``paths``), else ``step``."""
+        i = bisect.bisect_left(self.steps, step)
+        return self.steps[i] if i < len(self.steps) and self.steps[i] == step else step
+
     def _apply(self, reply: dict[str, Any]) -> set[int]:
+        # The mirror keeps its own objects where the reply says the same (a listing
+        # sent again, a new hand's) and one copy of each reason: a listing of 10,000
+        # steps leaves small objects in the interpreter's arenas, each given back
+        # only once wholly empty (what stays after the listing is forgotten), so as
+        # few of them, made as seldom, as can be.
         changed: set[int] = set()
         self.listings += int(reply.get("listed") or 0)
+        had = self.verdicts
         if reply.get("fresh"):
             changed |= set(self.paths)
             self.verdicts, self.mtimes = {}, {}
         paths = reply.get("paths")
         if isinstance(paths, dict):
-            new = {int(s): str(p) for s, p in paths.items()}
+            new: dict[int, str] = {}
+            for s, p in paths.items():
+                step, path = self._own(int(s)), str(p)
+                kept = self.paths.get(step)
+                new[step] = kept if kept == path else path
             gone = set(self.paths) - set(new)
             for step in gone:
                 self.verdicts.pop(step, None)
@@ -198,10 +214,16 @@ class HandDisk:
             if len(gone) >= heap.SHRINK:  # dictionaries never shrink their tables
                 self.verdicts, self.mtimes = dict(self.verdicts), dict(self.mtimes)
                 self.shrunk = True
+        reasons: dict[str, str] = {}
         for s, v in (reply.get("verdicts") or {}).items():
-            step = int(s)
-            if step in self.paths and isinstance(v, list) and len(v) == 3:
-                self.verdicts[step] = (str(v[0]), bool(v[1]), str(v[2]))
+            step = self._own(int(s))
+            listed = self.paths.get(step)
+            if listed is not None and isinstance(v, list) and len(v) == 3:
+                why = str(v[2])
+                verdict = (listed if listed == v[0] else str(v[0]), bool(v[1]),
+                           reasons.setdefault(why, why))
+                kept_verdict = had.get(step)
+                self.verdicts[step] = kept_verdict if kept_verdict == verdict else verdict
                 changed.add(step)
         for s, m in (reply.get("mtimes") or {}).items():
             if isinstance(m, (int, float)):
