@@ -16,21 +16,14 @@ restarts, never seen as the agent's exit), a peer's restart (looked for every
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import signal
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import psutil
 from trainwatch.actions.tree import stopped_ranks
-from trainwatch.multihost import records, stackshare
-from trainwatch.privsep.hand import HandError
-from trainwatch.sources.rankexits import rank_processes
-from trainwatch.sources.ranks import Ranks
-from trainwatch.state.ledger import Relaunch
+from trainwatch.multihost import records, rounds, stackshare
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
@@ -43,14 +36,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 POLL = 0.5  # seconds between two looks for a peer's restart
-_TIMEOUT = 5.0  # one hand call on the shared folder
 UNKNOWN_GRACE = 2.0  # a rank's exit of unknown status, while its agent lives: a failure
 # A hang or stall with none of this host's ranks stopped waits this long for the
 # host whose rank is (its ranks wait for it in a collective) to restart the group.
 HOLD = 5.0
-# Every host's claim is in by then: where a restart began is read again (the host
-# that made it may have read only its own claim, a victim's).
-SETTLE = 2.0
 ABSORB = 2  # failures before the first beat after a restart taken as part of it
 
 
@@ -66,7 +55,7 @@ class Group:
     exits_seen: int = 0
     held_since: float | None = None  # a hang held for the host that has its cause
     absorbed: int = 0  # failures taken as part of the last restart (before a beat)
-    pending: Pending | None = None  # our workers, kept for the fault's evidence
+    pending: rounds.Pending | None = None  # our workers, kept for the fault's evidence
     settle: tuple[int, int, str | None, float] | None = None  # restart, incident, began, when
     out: Out | None = None  # this host left the group: its pre-flight (leave.py)
     joining: Joining | None = None  # a peer's join, followed: its admission is due
@@ -78,18 +67,9 @@ def for_job(config: Config, job: Job) -> Group | None:
     return Group(job.checkpoints.dir, config.host)
 
 
-def _call(r: Runner, fn: Any, *args: Any) -> Any:
-    try:
-        return r.hands.quick.call(fn, *args, timeout=_TIMEOUT)
-    except HandError as e:
-        log.error("job %s: the group's records in %s: %s", r.job.name,
-                  records.folder(r.job.checkpoints.dir or "?"), e)
-        return None
-
-
 def _baseline(r: Runner, g: Group) -> None:
     if g.base is None:
-        got = _call(r, records.current_in_hand, g.root)
+        got = records.call(r, records.current_in_hand, g.root)
         g.base = g.gen = got if isinstance(got, int) and got >= 0 else 0
 
 
@@ -127,7 +107,7 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
         return False
     _baseline(r, g)
     if g.pending is not None:
-        return _after_evidence(r, g, a, now)
+        return rounds.after_evidence(r, g, a, now)
     if r.ranks.beaten:
         g.absorbed = 0  # the group's last restart is done here
     exits = r.first_failure.exits.exits
@@ -138,7 +118,7 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
     g.exits_seen += len(judged) if len(judged) == len(new) else 0
     failed = [e for e in judged if e.returncode != 0]
     if failed and len(judged) == len(new) and _leader_alive(a):
-        from trainwatch.multihost import leave  # it calls new_round(): at run time
+        from trainwatch.multihost import leave  # it calls rounds.new_round(): at run time
 
         if leave.admitted(r, a, now):  # torchrun restarts them for a joining host
             return False
@@ -153,61 +133,10 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
         _settle(r, g)
     if now >= g.poll_at:
         g.poll_at = now + POLL
-        rec = records.parse(_call(r, records.newest_in_hand, g.root, g.gen))
+        rec = records.parse(records.call(r, records.newest_in_hand, g.root, g.gen))
         if rec is not None and rec.gen > g.gen:
             follow(r, a, rec, now)
     return False
-
-
-@dataclass
-class Pending:
-    """This host's workers, kept until the evidence of the fault is taken."""
-
-    capture: Capture
-    rec: records.Restart | None
-    incident: int | None
-    reason: str
-    onset: float
-    deadline: float
-
-
-def _evidence_then_round(r: Runner, g: Group, a: Attempt, capture: Capture | None,
-                         rec: records.Restart | None, incident: int | None, why: str,
-                         onset: float) -> None:
-    """The new round, once this host's evidence of the fault is taken (the stacks
-    as they were: at most evidence.timeout), and shared with the other hosts."""
-    if capture is not None and not capture.done:
-        g.pending = Pending(capture, rec, incident, why, onset, r.clock() + capture.timeout + 1.0)
-        r.hang_latched = True
-        return
-    if capture is not None:
-        _share(r, g, capture, incident)
-    new_round(r, a, rec, incident, why, onset)
-
-
-def _share(r: Runner, g: Group, capture: Capture, incident: int | None) -> None:
-    if incident is None or incident < 0:
-        return
-    from trainwatch.actions import evidence  # it imports the lifecycle: at run time
-
-    evidence.finish(r, capture, incident)
-    shared = stackshare.lines(capture.summary, capture.out)
-    if shared:
-        _call(r, records.stacks_in_hand, g.root, g.gen, g.host, shared)
-        # The other hosts' lines come within their own capture's time.
-        g.settle = (g.gen, incident, g.settle[2] if g.settle else None,
-                    r.clock() + r.job.evidence.timeout + SETTLE)
-
-
-def _after_evidence(r: Runner, g: Group, a: Attempt, now: float) -> bool:
-    p = g.pending
-    assert p is not None
-    if not p.capture.done and now < p.deadline:
-        return True
-    g.pending = None
-    _share(r, g, p.capture, p.incident)
-    new_round(r, a, p.rec, p.incident, p.reason, p.onset)
-    return True
 
 
 def held(r: Runner, fault: Fault, now: float) -> bool:
@@ -247,7 +176,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
                 "at": wall, "charged": charged}
     claim = {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident}
-    raw = _call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
+    raw = records.call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
     rec = records.parse(raw)
     if rec is None:
         log.error("job %s: group restart %d not recorded in %s: the other hosts' ranks "
@@ -265,8 +194,8 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
                     rec.began, _where(rec))
     if not _leader_alive(a):
         return False
-    _evidence_then_round(r, g, a, capture, rec, incident, f"group restart {g.gen}: {reason}",
-                         onset)
+    rounds.evidence_then_round(r, g, a, capture, rec, incident,
+                               f"group restart {g.gen}: {reason}", onset, peers=True)
     return True
 
 
@@ -278,7 +207,7 @@ def _part_of_last(r: Runner, g: Group, a: Attempt, fault: Fault, incident: int |
     restart, claimed in it and not charged again; at most ABSORB times, so that
     a start that always fails still spends the budget."""
     g.absorbed += 1
-    _call(r, records.claim_in_hand, g.root, g.gen, g.host,
+    records.call(r, records.claim_in_hand, g.root, g.gen, g.host,
           {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident})
     if charged and r.history.restarts:
         r.history.restarts.pop()  # decide() granted it last
@@ -288,10 +217,10 @@ def _part_of_last(r: Runner, g: Group, a: Attempt, fault: Fault, incident: int |
     log.warning("job %s: %s before this host's ranks beat again: part of group restart %d, "
                 "not charged again (%d of %d)", r.job.name, fault.kind.value, g.gen,
                 g.absorbed, ABSORB)
-    rec = records.parse(_call(r, records.newest_in_hand, g.root, g.gen - 1))
+    rec = records.parse(records.call(r, records.newest_in_hand, g.root, g.gen - 1))
     if not _leader_alive(a):
         return False
-    new_round(r, a, rec if rec is not None and rec.gen == g.gen else None, incident,
+    rounds.new_round(r, a, rec if rec is not None and rec.gen == g.gen else None, incident,
               f"part of group restart {g.gen}", onset)
     return True
 
@@ -302,7 +231,7 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
     g = r.group
     assert g is not None
     g.gen = rec.gen
-    from trainwatch.multihost import leave  # it calls new_round(): at run time
+    from trainwatch.multihost import leave  # it calls rounds.new_round(): at run time
 
     if rec.joins is not None:  # a host back from its pre-flight: not a fault here
         leave.follow_join(r, rec, now)
@@ -332,7 +261,7 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
     log.warning("job %s: group restart %d began on %s (%s): %s; resuming from %s",
                 r.job.name, rec.gen, rec.began, rec.kind, reason, _where(rec))
     if incident is not None and incident >= 0:
-        g.settle = (rec.gen, incident, rec.began, now + SETTLE)
+        g.settle = (rec.gen, incident, rec.began, now + records.SETTLE)
     if r.observing:
         return
     if fatal:
@@ -342,9 +271,9 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
     from trainwatch.actions import evidence  # this host's ranks as they waited, too
 
     capture = evidence.start(r, fault, incident)
-    _evidence_then_round(r, g, a, capture, rec, incident,
-                         f"group restart {rec.gen} from {rec.began}",
-                         rec.began_at if rec.began_at is not None else time.time())
+    rounds.evidence_then_round(r, g, a, capture, rec, incident,
+                               f"group restart {rec.gen} from {rec.began}",
+                               rec.began_at if rec.began_at is not None else time.time())
 
 
 def _where(rec: records.Restart) -> str:
@@ -362,7 +291,7 @@ def _amend(r: Runner, incident: int | None, rec: records.Restart, won: bool) -> 
                                   "charged": rec.charged, "claims": rec.claimed(),
                                   **leave.evidence(r, rec)}, None)
         assert r.group is not None
-        r.group.settle = (rec.gen, incident, rec.began, r.clock() + SETTLE)
+        r.group.settle = (rec.gen, incident, rec.began, r.clock() + records.SETTLE)
 
 
 def _settle(r: Runner, g: Group) -> None:
@@ -370,7 +299,7 @@ def _settle(r: Runner, g: Group) -> None:
     assert g.settle is not None
     gen, incident, began, _ = g.settle
     g.settle = None
-    raw = _call(r, records.newest_in_hand, g.root, gen - 1)
+    raw = records.call(r, records.newest_in_hand, g.root, gen - 1)
     rec = records.parse(raw)
     if rec is None or rec.gen != gen:
         return
@@ -385,48 +314,3 @@ def _settle(r: Runner, g: Group) -> None:
              "thought %s)", r.job.name, gen, rec.began, began)
 
 
-def _older(pids: set[int], than: float) -> set[int]:
-    """Those of ``pids`` started before ``than`` (wall time): not the workers the
-    agent started since, for the new round."""
-    out = set()
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).create_time() <= than:
-                out.add(pid)
-    return out
-
-
-def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int | None,
-              reason: str, onset: float) -> None:
-    """This host's workers of before ``onset`` (wall time) end (SIGCONT first: a
-    stopped one must act on it); its agent restarts them in the group's new
-    round. What a launch resets, without starting a process."""
-    g = r.group
-    assert g is not None
-    now = r.clock()
-    workers = set(r.ranks.pids().values())
-    workers |= set(rank_processes(a.tree.scan(), r.stall.sampler.rank_of, r.ranks.pids()))
-    workers.discard(a.pid)
-    workers = _older(workers, onset + 0.05)  # start times are kept in clock ticks
-    g.before, g.held_since = workers, None
-    a.tree.signal_each(signal.SIGCONT, workers)
-    a.tree.signal_each(signal.SIGKILL, workers)
-    r.over_cap_before += r.ranks.over_cap
-    r.ranks = Ranks(started=now, max_ranks=r.job.heartbeat.max_ranks)
-    r.intake.new_attempt(a.ring_dir)
-    r.first_failure.new_attempt(now)
-    g.exits_seen = 0
-    from trainwatch.watch import anomalies
-
-    r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
-    r.stall.new_attempt(r.job.stall)
-    r.hang_latched = False
-    r.catalog.seal_quarantine()
-    step = rec.resume_step if rec is not None else None
-    reached, r.last_step = r.last_step, step
-    r.outages.started(now)
-    r.to(JobState.STARTING, reason)
-    if incident is not None and incident >= 0:
-        lost = None if reached is None else max(0, reached - (step or 0))
-        r.ledger.relaunched(incident, Relaunch(time.time(), rec.resume_path if rec else None,
-                                               step, lost))

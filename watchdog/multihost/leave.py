@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainwatch.actions import credentials
-from trainwatch.multihost import group, preflight, records
+from trainwatch.multihost import group, preflight, records, rounds
 from trainwatch.types import Action, Fault, FaultKind
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ def leave(r: Runner, fault: Fault, incident: int | None) -> str | None:
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
                 "at": wall, "charged": True, "leaves": g.host}
     claim = {"kind": fault.kind.value, "rank": None, "at": onset, "incident": incident}
-    raw = group._call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
+    raw = records.call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
     rec = records.parse(raw)
     if rec is None:
         g.gen += 1
@@ -212,7 +212,7 @@ def _join(r: Runner, out: Out, res: preflight.Result) -> None:
             if d in w.health.excluded():
                 w.clear(d)
                 log.warning("GPU %d passed its pre-flight (%s): back in service", d, res.detail)
-    now = group._call(r, records.current_in_hand, g.root)
+    now = records.call(r, records.current_in_hand, g.root)
     if isinstance(now, int) and now > g.gen:
         g.gen = now  # restarts of the others while this host was out
     cp = r.catalog.last_good()
@@ -232,7 +232,7 @@ def _join(r: Runner, out: Out, res: preflight.Result) -> None:
         f"group restart {g.gen + 1}: {g.host} joins the group again: its pre-flight "
         f"passed ({res.detail}); not charged", max(r.number, 0), None)
     claim = {"kind": out.kind, "rank": None, "at": wall, "incident": incident}
-    raw = group._call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
+    raw = records.call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
     rec = records.parse(raw)
     if rec is None:
         g.gen += 1
@@ -282,7 +282,7 @@ def admitted(r: Runner, a: Attempt, now: float) -> bool:
     j, g.joining = g.joining, None
     if now >= j.until or r.observing:
         return False
-    group.new_round(r, a, j.rec, j.incident,
+    rounds.new_round(r, a, j.rec, j.incident,
                     f"group restart {j.rec.gen}: {j.rec.joins} admitted, a new round",
                     time.time())
     return True

@@ -21,12 +21,20 @@ anything a user wrote (``parse``)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from trainwatch.privsep.hand import HandError
+
+if TYPE_CHECKING:
+    from trainwatch.lifecycle.runner import Runner
+
+log = logging.getLogger("trainwatch")
 
 FOLDER = ".trainwatch"
 _NAME = re.compile(r"restart-(\d{8})")
@@ -35,6 +43,10 @@ _STACKS = re.compile(r"stacks-([A-Za-z0-9._-]{1,64})\.json")
 MAX_NAMES = 4096  # names read from the folder per look
 MAX_CLAIMS = 64  # claims read from one restart's folder
 MAX_BYTES = 16 * 1024  # one record
+TIMEOUT = 5.0  # one hand call on the shared folder
+# Every host's claim is in by then: where a restart began is read again (the host
+# that made it may have read only its own claim, a victim's).
+SETTLE = 2.0
 
 
 def folder(root: str) -> str:
@@ -160,6 +172,16 @@ def decision_after(base: str, after: int) -> dict[str, Any] | None:
     if gen is None:
         return None
     return _read(os.path.join(base, f"restart-{gen:08d}", "decision.json"))
+
+
+def call(r: Runner, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in the job's quick hand, as its user; None (said) when it fails."""
+    try:
+        return r.hands.quick.call(fn, *args, timeout=TIMEOUT)
+    except HandError as e:
+        log.error("job %s: the group's records in %s: %s", r.job.name,
+                  folder(r.job.checkpoints.dir or "?"), e)
+        return None
 
 
 def current_in_hand(root: str) -> int:
