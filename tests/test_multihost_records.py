@@ -81,3 +81,33 @@ def test_a_record_that_is_a_link_or_too_large_or_not_json_is_not_read(tmp_path: 
         else:
             target.write_text("{not json")
         assert records.parse(records.newest_in_hand(str(tmp_path), gen - 1)) is None, make
+
+
+def test_a_victims_earlier_claim_does_not_name_where_a_restart_began(tmp_path: Path) -> None:
+    """A host whose rank failed because a peer did (its daemon saw that first on a
+    busy machine) claims earlier than the host of the cause: the cause is named."""
+    root = str(tmp_path)
+    records.begin_in_hand(root, 1, "hC", _decision(30),
+                          {"kind": "crash", "rank": 2, "at": 99.9, "victim": True})
+    got = records.begin_in_hand(root, 1, "hB", _decision(30),
+                                {"kind": "crash", "rank": 0, "at": 100.0, "victim": False})
+    rec = records.parse(got)
+    assert rec is not None and rec.began == "hB rank 0"
+
+
+def test_a_rank_that_says_its_peer_failed_is_blamed_on_the_peer(tmp_path: Path) -> None:
+    """gloo's and NCCL's lines of a rank whose peer died, in this round's output only."""
+    from trainwatch.multihost import group
+
+    log = tmp_path / "attempt.log"
+    old = "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:1 (an earlier round)\n"
+    log.write_text(old + "[rank0]: step 12\n[rank1]: RuntimeError: [pair.cc:553] Connection "
+                   "closed by peer [127.0.0.1]:18073. This is typically caused by a remote "
+                   "worker crashing.\n[rank2]: torch.distributed.DistBackendError: "
+                   "ncclRemoteError: A call failed possibly due to a network error or a "
+                   "remote process exiting prematurely.\n")
+    assert "remote worker crashing" in (group.peer_blamed(log, len(old), 1) or "")
+    assert "ncclRemoteError" in (group.peer_blamed(log, len(old), 2) or "")
+    assert group.peer_blamed(log, len(old), 0) is None  # its own line says no such thing
+    assert group.peer_blamed(log, log.stat().st_size, 1) is None  # before this round
+    assert group.peer_blamed(tmp_path / "gone.log", 0, 1) is None

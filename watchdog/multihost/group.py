@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainwatch.actions.tree import stopped_ranks
@@ -55,6 +57,7 @@ class Group:
     exits_seen: int = 0
     held_since: float | None = None  # a hang held for the host that has its cause
     absorbed: int = 0  # failures taken as part of the last restart (before a beat)
+    log_from: int = 0  # where this round's output begins in the attempt's log
     pending: rounds.Pending | None = None  # our workers, kept for the fault's evidence
     settle: tuple[int, int, str | None, float] | None = None  # restart, incident, began, when
     out: Out | None = None  # this host left the group: its pre-flight (leave.py)
@@ -84,6 +87,8 @@ def env(r: Runner) -> dict[str, str]:
 
 
 def job_for_attempt(r: Runner, job: Job) -> Job:
+    if r.group is not None:
+        r.group.log_from = 0  # a new attempt's log
     extra = env(r)
     return dataclasses.replace(job, env={**job.env, **extra}) if extra else job
 
@@ -92,6 +97,31 @@ def of_rounds_before(r: Runner, pid: int) -> bool:
     """A worker of the group's rounds before this one: its late beats (queued, or
     still in its ring, which a new reader would replay) are not this round's."""
     return r.group is not None and pid in r.group.before
+
+
+# What a rank prints when it fails because another one did (gloo's pair.cc; NCCL's
+# ncclRemoteError and its socket): prior-art/stalls-and-log-lines.md.
+PEER_FAILURE = ("Connection closed by peer", "remote worker crashing",
+                "Connection closed by remote peer", "remote process exiting",
+                "ncclRemoteError")
+_BLAME_BYTES = 64 * 1024
+
+
+def peer_blamed(log_path: Path, start: int, rank: int) -> str | None:
+    """The line of this round's output (from ``start``) in which ``rank`` says it
+    failed because a peer did (torch prefixes a rank's lines with ``[rankN]:``)."""
+    try:
+        with open(log_path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(start, size - _BLAME_BYTES))
+            data = f.read(_BLAME_BYTES)
+    except OSError:
+        return None
+    head = f"[rank{rank}]:"
+    for line in data.decode(errors="replace").splitlines():
+        if line.startswith(head) and any(m in line for m in PEER_FAILURE):
+            return line[:300]
+    return None
 
 
 def _leader_alive(a: Attempt) -> bool:
@@ -123,7 +153,11 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
         if leave.admitted(r, a, now):  # torchrun restarts them for a joining host
             return False
         first = r.first_failure.exits.first_failure() or failed[0]
-        fault = Fault(FaultKind.CRASH, r.job.name, first.at, {"rank_exit": first.evidence()},
+        ev: dict[str, object] = {"rank_exit": first.evidence()}
+        blamed = peer_blamed(a.log_path, g.log_from, first.rank)
+        if blamed is not None:  # a victim of another host's rank: not where it began
+            ev["peer_failure"] = blamed
+        fault = Fault(FaultKind.CRASH, r.job.name, first.at, ev,
                       rank=first.rank, onset_step=r.last_step, onset_known=False)
         from trainwatch.lifecycle import respond  # respond calls act(): one circle, at run time
 
@@ -175,7 +209,8 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
     decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
                 "at": wall, "charged": charged}
-    claim = {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident}
+    claim = {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident,
+             "victim": "peer_failure" in fault.evidence}
     raw = records.call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
     rec = records.parse(raw)
     if rec is None:

@@ -260,7 +260,9 @@ def parse(raw: object) -> Restart | None:
     host = _str(decision.get("host"), 64) or "?"
     claims = [c for c in raw.get("claims") or [] if isinstance(c, dict)]
     claims = [c for c in claims if _time(c.get("at")) is not None]
-    first = min(claims, key=lambda c: _time(c.get("at")) or 0.0) if claims else decision
+    # A claim of a rank that failed because another did is no place to begin.
+    causes = [c for c in claims if c.get("victim") is not True] or claims
+    first = min(causes, key=lambda c: _time(c.get("at")) or 0.0) if causes else decision
     return Restart(
         gen=gen, host=host,
         resume_step=_int(decision.get("resume_step")),

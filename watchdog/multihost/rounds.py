@@ -8,6 +8,7 @@ hosts (stackshare.py)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -134,6 +135,8 @@ def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int 
     r.intake.new_attempt(a.ring_dir)
     r.first_failure.new_attempt(now)
     g.exits_seen = 0
+    with contextlib.suppress(OSError):
+        g.log_from = os.stat(a.log_path).st_size  # this round's output begins here
     from trainwatch.watch import anomalies
 
     r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
