@@ -70,7 +70,7 @@ _TRAINER = textwrap.dedent(
             open(os.path.join(d + ".tmp", "done"), "w").close()
             shutil.rmtree(d, ignore_errors=True)  # written again after a restart
             os.rename(d + ".tmp", d)
-        time.sleep(0.1)
+        time.sleep(0.05)
     if rank == 0:
         with open(os.path.join(os.path.dirname(journal), "final.json"), "w") as f:
             json.dump({"w": w.tolist()}, f)
@@ -215,7 +215,7 @@ def test_a_rank_stopped_on_one_host_is_named_there_and_restarts_the_group_once(
     """SIGSTOP of host B's rank: B names it (a hang), A's ranks, waiting for it in
     the all-reduce, are not named; one group restart from one step."""
     # Long enough after the restart for every host's stacks to be judged together.
-    _drill(tmp_path, signal.SIGSTOP, "hang", steps=160, heartbeat={"timeout": "3s"})
+    _drill(tmp_path, signal.SIGSTOP, "hang", steps=240, heartbeat={"timeout": "3s"})
 
 
 def test_a_nan_seen_on_rank_0s_host_rolls_the_whole_group_back_with_one_skip_window(

@@ -41,7 +41,7 @@ from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot import format as snapshot_format
 from trainwatch.sources import ring
-from trainwatch.state import checkpointlist, numbered, ondisk, retention
+from trainwatch.state import checkpointlist, handdisk, numbered, ondisk, retention
 from trainwatch.state.catalog import Catalog
 from trainwatch.state.handdisk import HandDisk
 from trainwatch.state.manifest import Store
@@ -286,8 +286,8 @@ def test_a_folder_of_many_names_is_listed_in_the_hand_bounded_and_root_does_not_
         grew = _rss() - before
     finally:
         hand.close()
-    assert 0 < len(entries) <= 10_000
-    # The mirror of the 10,000 newest checkpoints is ~7.3 MiB of root's (its reply
+    assert 0 < len(entries) <= handdisk.MAX_CHECKPOINTS
+    # The mirror of the 2,000 newest checkpoints is ~1.5 MiB of root's (its reply
     # parsed); what the module imported before moves that by a MiB either way. The
     # 120,000 names themselves, mirrored, would be ~90 MiB.
     assert grew < 16 << 20, f"root grew {grew >> 20} MiB"

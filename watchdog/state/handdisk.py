@@ -34,7 +34,9 @@ from trainwatch.state.ondisk import Layout, OnDisk
 log = logging.getLogger("trainwatch")
 
 REFRESH_TIMEOUT = 5.0  # one listing and the judgements it needs
-MAX_CHECKPOINTS = 10_000  # the newest this many are kept
+# The newest this many are kept track of (root mirrors them: each costs ~0.3 KB, and
+# Python keeps the arenas a larger listing spread over after it is gone).
+MAX_CHECKPOINTS = 2_000
 
 
 def _layout(data: bytes) -> Layout:
