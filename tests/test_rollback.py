@@ -201,8 +201,11 @@ def test_a_six_step_bad_window_costs_one_restart_of_the_budget(ws: Workspace) ->
             "20-20); resuming from step 17;") in out, out[-3000:]
     series = json.loads((ws.state / "jobs" / "job" / "incidents" / str(incs[1]["id"])
                          / "series.json").read_text())
-    assert series["onset_step"] == 21 and series["steps"][-1] == 21, series
-    assert series["loss"][-1] == "nan" and series["steps"][0] == 18 + 1, series
+    # The steps the lead rank beat up to the detection: a ring read on a busy machine
+    # may bring the next step's NaN in the same batch as the onset's (it is kept too).
+    steps = series["steps"]
+    assert series["onset_step"] == 21 and 21 in steps and 21 <= steps[-1] <= 22, series
+    assert series["loss"][steps.index(21)] == "nan" and steps[0] == 18 + 1, series
 
 
 def _fault(onset: int, noticed: int | None = None) -> Fault:
