@@ -245,8 +245,12 @@ def test_a_host_whose_gpu_fails_leaves_the_group_and_rejoins_after_its_pre_fligh
                     proc.send_signal(signal.SIGTERM)
         outs = {n: finish(ws.procs[0], timeout=60)[1] for n, (ws, _) in hosts.items()}
     runs = _journal(journal)
-    assert [(e["world"], e["start"]) for e in both] == [(2, both[0]["start"])] * 2, runs
-    assert int(both[0]["start"]) >= int(alone["start"]), runs  # type: ignore[call-overload]
+    # torchrun may start a rank twice while the round with the newcomer forms (a busy
+    # machine): each host's last start is the one that trains.
+    last = {e["host"]: e for e in runs[before:]}
+    assert sorted(last) == ["hA", "hB"], runs
+    assert {(e["world"], e["start"]) for e in last.values()} == {(2, last["hA"]["start"])}, runs
+    assert int(last["hA"]["start"]) >= int(alone["start"]), runs  # type: ignore[call-overload]
     assert "pre-flight of GPUs 0: sim: GPU 0: injected Xid 79" in outs["hB"], outs["hB"][-3000:]
     for name, ws in (("hA", a), ("hB", b)):
         got = ws.incidents()

@@ -102,8 +102,8 @@ def of_rounds_before(r: Runner, pid: int) -> bool:
 # What a rank prints when it fails because another one did (gloo's pair.cc; NCCL's
 # ncclRemoteError and its socket): prior-art/stalls-and-log-lines.md.
 PEER_FAILURE = ("Connection closed by peer", "remote worker crashing",
-                "Connection closed by remote peer", "remote process exiting",
-                "ncclRemoteError")
+                "Connection reset by peer", "Connection closed by remote peer",
+                "remote process exiting", "ncclRemoteError")
 _BLAME_BYTES = 64 * 1024
 
 
@@ -260,6 +260,20 @@ def _part_of_last(r: Runner, g: Group, a: Attempt, fault: Fault, incident: int |
     return True
 
 
+def _claim_own_exits(r: Runner, g: Group, a: Attempt, gen: int) -> None:
+    """A rank of ours that failed in this round, not judged yet (its status reaped by
+    its agent before we read it waits UNKNOWN_GRACE): claimed in the peer's restart,
+    which may well have begun here."""
+    own = [e for e in r.first_failure.exits.exits if e.pid not in g.before and e.returncode != 0]
+    if not own:
+        return
+    first = r.first_failure.exits.first_failure() or own[0]
+    claim = {"kind": FaultKind.CRASH.value, "rank": first.rank,
+             "at": time.time() - max(0.0, r.clock() - first.at),
+             "victim": peer_blamed(a.log_path, g.log_from, first.rank) is not None}
+    records.call(r, records.claim_in_hand, g.root, gen, g.host, claim)
+
+
 def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
     """A peer's restart: recorded and charged here once; our workers end too, so
     that every agent enters the new round together."""
@@ -271,6 +285,7 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
     if rec.joins is not None:  # a host back from its pre-flight: not a fault here
         leave.follow_join(r, rec, now)
         return
+    _claim_own_exits(r, g, a, rec.gen)
     try:
         kind = FaultKind(rec.kind)
     except ValueError:
