@@ -104,7 +104,8 @@ def test_a_rank_killed_first_is_named_not_the_one_its_launcher_sigtermed(ws: Wor
 
 def test_a_torchrun_rank_sigkilled_is_named_with_its_signal(ws: Workspace) -> None:
     """A real 2-rank torchrun job on gloo, rank 1 SIGKILLed: the incident names rank 1 and
-    SIGKILL, from its process's exit and from torchrun's Root Cause, not rank 0's SIGTERM."""
+    SIGKILL from its process's exit, not rank 0's SIGTERM, whichever rank torchrun's Root
+    Cause names (kept beside it as torchrun printed it)."""
     cfg = ws.config({"command": _ddp(ws, "--steps", "100000", "--interval", "0.05")},
                     {"max_restarts": 0})
     p = ws.run(cfg)
@@ -123,8 +124,16 @@ def test_a_torchrun_rank_sigkilled_is_named_with_its_signal(ws: Workspace) -> No
     ev = json.loads(inc["evidence"])
     assert inc["kind"] == "crash" and inc["rank"] == 1, inc
     assert ev["first_failure"] == {"rank": 1, "pid": killed, "signal": "SIGKILL"}, ev
-    assert ev["torchrun_root_cause"]["rank"] == 1, ev
-    assert ev["torchrun_root_cause"]["signal"] == "SIGKILL", ev
+    # torchrun's Root Cause is the failure with the smallest timestamp in whole seconds, ties
+    # to the lowest rank (errors/__init__.py: min over failures by int(time.time())): rank 0,
+    # failing on gloo's closed connection in the same second, may be named. It is kept as
+    # torchrun said it; the incident's rank and first failure come from the exits.
+    said = ev["torchrun_root_cause"]
+    assert said["rank"] in (0, 1), ev
+    if said["rank"] == 1:
+        assert said["signal"] == "SIGKILL" and said["pid"] == killed, ev
+    else:
+        assert said.get("signal") != "SIGKILL" and said["pid"] == ranks[0], ev
 
 
 def test_a_rank_reaped_before_it_is_read_takes_how_it_ended_from_the_root_cause(
