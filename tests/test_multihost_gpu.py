@@ -185,7 +185,8 @@ def test_a_host_whose_gpu_fails_leaves_the_group_and_rejoins_after_its_pre_fligh
     """Xid 79 on host B's GPU (nodes 1:2, gpus.min 1): B leaves (its tree gone,
     waiting for a pre-flight), A's rank trains alone (world 1); once B's GPU is
     cleared its pre-flight passes, B rejoins, both ranks train together from one
-    checkpoint; each host's incidents are the leave and the join (not charged)."""
+    checkpoint; each host's incidents are the leave and the join (not charged). B's
+    trainwatch restarts while B is out: B stays out until its pre-flight passes."""
     ckpt, journal, script = tmp_path / "ckpt", tmp_path / "journal.jsonl", tmp_path / "t.py"
     ckpt.mkdir()
     script.write_text(_TRAINER)
@@ -229,6 +230,17 @@ def test_a_host_whose_gpu_fails_leaves_the_group_and_rejoins_after_its_pre_fligh
         wait_for(lambda: (a.status().get("step") or 0) >= int(alone["start"]) + 5,  # type: ignore[call-overload]
                  timeout=60, what="A's steps to advance alone")
         assert b.status().get("state") == "backoff"  # its pre-flight fails meanwhile
+        # B's trainwatch restarts while B is out (SIGKILL, then started again): its GPU's
+        # exclusion outlives it, so it stays out and waits for its pre-flight, never
+        # going FATAL for want of a GPU (nor launching on an unchecked one).
+        b.procs[0].send_signal(signal.SIGKILL)
+        b.procs[0].wait(timeout=60)
+        b.run(cfg_b)
+        wait_for(lambda: sum(x.startswith("left the group: waiting for a pre-flight of GPUs 0")
+                             for x in _reasons(b, "backoff")) == 2, timeout=60,
+                 what="B's restarted trainwatch to keep it out")
+        time.sleep(3)  # pre-flights every 1 s meanwhile, each failing on the broken GPU
+        assert b.status().get("state") == "backoff" and "fatal" not in b.transitions()
         before = len(_journal(journal))
         clear = _cli("trainwatch.cli", "clear-gpu", "0", "--run-dir", str(b.root / "run"))
         assert clear.returncode == 0, clear.stderr
@@ -243,7 +255,7 @@ def test_a_host_whose_gpu_fails_leaves_the_group_and_rejoins_after_its_pre_fligh
             for proc in ws.procs:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
-        outs = {n: finish(ws.procs[0], timeout=60)[1] for n, (ws, _) in hosts.items()}
+        outs = {n: finish(ws.procs[-1], timeout=60)[1] for n, (ws, _) in hosts.items()}
     runs = _journal(journal)
     # torchrun may start a rank twice while the round with the newcomer forms (a busy
     # machine): each host's last start is the one that trains.

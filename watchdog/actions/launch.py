@@ -16,7 +16,7 @@ from trainwatch.actions import attemptfiles, evidence, fresh, pull, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.config import Job
 from trainwatch.lifecycle import respond
-from trainwatch.multihost import group, torchrun
+from trainwatch.multihost import group, leave, torchrun
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import JobState
@@ -77,6 +77,8 @@ def launch(r: Runner, reason: str) -> None:
         r.to(JobState.FATAL, why)
         return
     if gpus is not None and len(gpus) < r.job.gpus.min:
+        if leave.stay_out(r):
+            return
         why = f"{len(gpus)} healthy GPUs, the job needs at least {r.job.gpus.min}"
         respond.run_exec_hook(r, "insufficient_gpus", None)
         r.to(JobState.FATAL, why)

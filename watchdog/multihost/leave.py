@@ -10,6 +10,10 @@ BACKOFF. The other hosts follow the restart; their agents meet again without
 it (torchrun ``--nnodes MIN:MAX``: once its heartbeats expire, ~15 s, and
 ``last_call``), or, when MIN cannot be met without it, wait for a host.
 
+A host whose trainwatch restarts meanwhile stays out the same way: its GPUs'
+exclusions are on disk, and a launch on fewer healthy GPUs than the job needs
+waits for a pre-flight (``stay_out``) instead of going FATAL.
+
 Out of the group: every ``gpus.preflight_every`` a pre-flight of the GPUs it
 would use (preflight.py). Once one passes, their exclusion is lifted, a
 **join** restart is recorded (never charged) and the agent is launched: it
@@ -28,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from trainwatch.actions import credentials
 from trainwatch.multihost import group, preflight, records, rounds
-from trainwatch.types import Action, Fault, FaultKind
+from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
@@ -132,19 +136,44 @@ def leave(r: Runner, fault: Fault, incident: int | None) -> str | None:
         if not rec.charged and r.history.restarts:
             r.history.restarts.pop()  # decide() granted it: the maker did not charge it
         group._amend(r, incident, rec, won)
-    gpus = _gpus(r)
-    check = preflight.choose(r.config.gpu.backend, python=preflight.python_of(r.job.command))
-    every = r.job.gpus.preflight_every
-    why = (f"left the group: waiting for a pre-flight of GPUs {','.join(map(str, gpus))} "
-           f"({check.what}), every {every:g}s")
-    g.out = Out(fault.kind.value, gpus, check, why)
+    out = g.out = _out(r, fault.kind.value, _gpus(r))
     if incident is not None and incident >= 0:
         r.ledger.amend(incident, {"leaves": g.host, "group": _nodes(r, g.host),
-                                  "preflight": check.kind}, None)  # also when not won
+                                  "preflight": out.check.kind}, None)  # also when not won
     log.warning("job %s: %s leaves the group (%s on GPU %s; fewer healthy GPUs than the "
                 "job's %d): %s; %s", r.job.name, g.host, fault.kind.value, fault.gpu,
-                r.job.gpus.min, _nodes(r, g.host), why)
-    return why
+                r.job.gpus.min, _nodes(r, g.host), out.waiting)
+    return out.waiting
+
+
+def _out(r: Runner, kind: str, gpus: tuple[int, ...]) -> Out:
+    check = preflight.choose(r.config.gpu.backend, python=preflight.python_of(r.job.command))
+    why = (f"left the group: waiting for a pre-flight of GPUs {','.join(map(str, gpus))} "
+           f"({check.what}), every {r.job.gpus.preflight_every:g}s")
+    return Out(kind, gpus, check, why)
+
+
+def stay_out(r: Runner) -> bool:
+    """A launch on fewer healthy GPUs than the job needs (its exclusions outlive
+    a restart of trainwatch): a host of a job across hosts stays out of its group
+    and waits in BACKOFF for a pre-flight, as when it left, rather than going
+    FATAL. True when so; an operator's start of an ended job is not."""
+    g = r.group
+    if g is None or r.state not in (None, JobState.BACKOFF):
+        return False
+    group._baseline(r, g)
+    if g.out is None:
+        gpus = _gpus(r)
+        whys = [w for d, w in (r.gpuwatch.health.excluded() if r.gpuwatch else {}).items()
+                if d in gpus]
+        kind = whys[0].split(" ", 1)[0] if whys else FaultKind.GPU_XID.value
+        g.out = _out(r, kind if kind in {k.value for k in FaultKind} else "gpu_xid", gpus)
+        log.warning("job %s: %s stays out of its group (fewer healthy GPUs than the job's "
+                    "%d): %s", r.job.name, g.host, r.job.gpus.min, g.out.waiting)
+    if r.state is None:
+        r.to(JobState.BACKOFF, g.out.waiting)
+    r.relaunch_at = r.clock()  # its pre-flight, at once
+    return True
 
 
 def _run(r: Runner, out: Out) -> preflight.Result | None:

@@ -97,8 +97,11 @@ class GpuWatch:
         first = self.backend.poll()
         self.indices = sorted(s.index for s in first)
         self._put("samples", first)
-        for idx, why in (atomic.read_json(self._exclusions) or {}).get("excluded", {}).items():
+        saved = atomic.read_json(self._exclusions) or {}
+        for idx, why in saved.get("excluded", {}).items():
             self.health.exclude(int(idx), str(why), self.clock())
+        # A GPU a drill broke stays broken across a restart of ours, as a real one does.
+        self.overlay.broken.update({int(i): str(w) for i, w in saved.get("broken", {}).items()})
         if self.spec.kmsg:
             try:
                 self.kmsg = KernelLog(self.spec.kmsg, self.backend.bus_ids(),
@@ -212,6 +215,7 @@ class GpuWatch:
         self._check(gpu)
         if classify(xid, message).action is Action.RESTART_EXCLUDE_GPU:
             self.overlay.broken[gpu] = f"injected Xid {xid}, not cleared"
+            self._save()
         ev = XidEvent(xid, self.clock(), "drill", gpu=gpu, message=message, injected=True)
         self._put("xids", [ev])
 
@@ -246,7 +250,8 @@ class GpuWatch:
 
     def _save(self) -> None:
         try:
-            atomic.write_json(self._exclusions, {"excluded": self.health.excluded()})
+            atomic.write_json(self._exclusions, {"excluded": self.health.excluded(),
+                                                 "broken": self.overlay.broken})
         except OSError as e:  # the exclusion holds in memory; it is lost only on restart
             statewrites.failed("gpus", self._exclusions, e)
 
