@@ -131,6 +131,17 @@ def finish(p: subprocess.Popen[bytes], timeout: float = 30.0) -> tuple[int, str]
     return p.returncode, out.decode(errors="replace")
 
 
+def stop(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM a helper process (a server, a daemon), SIGKILL past ``timeout``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def pid_gone(pid: int) -> bool:
     import psutil
 

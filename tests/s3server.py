@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import free_port, missing
+from conftest import free_port, missing, stop
 
 _buckets = itertools.count()
 
@@ -103,16 +103,6 @@ def start(binary: str, timeout: float = 30.0) -> S3Server:
         last = log.read().decode(errors="replace")[-500:]
         log.close()
     raise AssertionError(f"moto_server did not answer: {last}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _forget_s3_clients() -> None:

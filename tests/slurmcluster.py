@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from conftest import free_port, missing, need_root
+from conftest import free_port, missing, need_root, stop
 
 NODES = ("n1", "n2")
 BINARIES = ("munged", "slurmctld", "slurmd", "slurmstepd",
@@ -244,13 +244,7 @@ class SlurmCluster:
             p = self.procs.get(name)
             if p is None:
                 continue
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            stop(p, timeout=15)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
         for _ in range(20):
