@@ -91,8 +91,9 @@ class ListedPid:
 
 
 def conf_text(root: Path, host: str, ctld_port: int, node_ports: dict[str, int],
-              munge_socket: Path) -> str:
-    """The slurm.conf of a test cluster in `root`."""
+              munge_socket: Path, cred_expire: int = 5) -> str:
+    """The slurm.conf of a test cluster in `root`. A requeued job's BeginTime is
+    `cred_expire` + 1 seconds after the requeue (minimum 5)."""
     nodes = "\n".join(f"NodeName={n} NodeAddr=127.0.0.1 Port={p} CPUs=2 State=UNKNOWN"
                       for n, p in node_ports.items())
     return f"""\
@@ -103,7 +104,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket},cred_expire=5
+AuthInfo=socket={munge_socket},cred_expire={cred_expire}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/run/slurmctld.pid
@@ -159,14 +160,15 @@ class SlurmCluster:
 
     @classmethod
     @contextlib.contextmanager
-    def start(cls, timeout: float = START_TIMEOUT) -> Iterator[SlurmCluster]:
+    def start(cls, timeout: float = START_TIMEOUT,
+              cred_expire: int = 5) -> Iterator[SlurmCluster]:
         """A started cluster (both nodes idle); everything stopped on exit."""
         need_slurm()
         cluster = cls(Path(tempfile.mkdtemp(prefix="twslurm", dir="/tmp")))
         keep = os.environ.get(KEEP) == "1"
         try:
             try:
-                cluster._start(timeout)
+                cluster._start(timeout, cred_expire)
             except BaseException:
                 keep = True  # the error names its logs
                 raise
@@ -174,7 +176,7 @@ class SlurmCluster:
         finally:
             cluster.close(keep=keep)
 
-    def _start(self, timeout: float) -> None:
+    def _start(self, timeout: float, cred_expire: int) -> None:
         for d in ("etc", "state", "run", "log", "munge", "jobs",
                   *(f"spool/{n}" for n in NODES)):
             (self.root / d).mkdir(parents=True, exist_ok=True)
@@ -184,7 +186,7 @@ class SlurmCluster:
         sock = self.root / "munge" / "munge.sock"
         host = socket.gethostname().split(".")[0]
         ports = {n: free_port() for n in NODES}
-        self.conf.write_text(conf_text(self.root, host, free_port(), ports, sock))
+        self.conf.write_text(conf_text(self.root, host, free_port(), ports, sock, cred_expire))
         began = time.monotonic()
         self._spawn("munged", ["munged", "--foreground", "--force", f"--socket={sock}",
                                f"--key-file={key}", f"--pid-file={self.root}/run/munged.pid",

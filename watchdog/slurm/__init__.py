@@ -1,0 +1,14 @@
+"""Acting through Slurm (DESIGN.md "Jobs across hosts"; prior art in
+prior-art/multinode.md section 3): the only code of the daemon that runs
+Slurm's commands.
+
+- ``command``: running one Slurm command (an argv, never a shell; a deadline;
+  the environment from ``Slurm``) and judging its exit into one ``Result``:
+  ok, refused (with Slurm's reason) or failed (no usable answer).
+- ``parse``: pure functions: the checks of what goes into a command (job ids,
+  node names, the ``trainwatch: `` drain reason), the parsers of what comes out
+  (``scontrol listpids``, ``scontrol show job -o``, ``sinfo``), and the rules
+  (when a requeued job may be started, whose drain may be resumed).
+- ``actions``: what the daemon asks of Slurm: ``requeue`` a job and start it at
+  once, ``drain`` a node, ``resume_if_ours``, ``listpids``, ``restart_count``.
+"""
