@@ -11,4 +11,7 @@ Slurm's commands.
   (when a requeued job may be started, whose drain may be resumed).
 - ``actions``: what the daemon asks of Slurm: ``requeue`` a job and start it at
   once, ``drain`` a node, ``resume_if_ours``, ``listpids``, ``restart_count``.
+- ``proof``: ``prove`` a rank's claim (job, step, rank) before it is believed:
+  the peer's SO_PEERCRED, its ancestors in ``/proc``, the job's owner and state,
+  and ``scontrol listpids`` on this node.
 """

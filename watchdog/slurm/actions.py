@@ -28,6 +28,7 @@ from trainwatch.slurm.parse import (
     judge_drain,
     judge_resume,
     parse_job,
+    parse_job_owner,
     parse_listpids,
     parse_node,
     start_not_before,
@@ -69,6 +70,15 @@ def job_info(job: int, *, slurm: Slurm = DEFAULT) -> Result[JobInfo]:
         return _refused(problem)
     return _read(run(slurm, ["scontrol", "show", "job", "-o", str(job)]),
                  "scontrol show job", lambda text: parse_job(text, job))
+
+
+def job_owner(job: int, *, slurm: Slurm = DEFAULT) -> Result[tuple[JobInfo, int]]:
+    """job_info and the uid of the job's owner (``UserId=name(uid)``), from one
+    ``scontrol show job -o``."""
+    if problem := bad_job(job):
+        return _refused(problem)
+    return _read(run(slurm, ["scontrol", "show", "job", "-o", str(job)]),
+                 "scontrol show job", lambda text: parse_job_owner(text, job))
 
 
 def restart_count(job: int, *, slurm: Slurm = DEFAULT) -> Result[int]:

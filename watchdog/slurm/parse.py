@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 MAX_JOB = 0xFFFFFFFD  # job ids are uint32; 0xFFFFFFFE and 0xFFFFFFFF are NO_VAL, INFINITE
+MAX_UID = 0xFFFFFFFE  # uid_t is uint32; (uid_t)-1 is no user
 # A node name, one of them: no hostlist (n[1-2]), no list (n1,n2), no option (-x).
 NODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 # `scontrol update NodeName=ALL` (any case) acts on every node of the cluster.
@@ -167,12 +168,20 @@ def _field(line: str, key: str) -> Parsed[str]:
     return Parsed(found[0])
 
 
-def parse_job(text: str, job: int) -> Parsed[JobInfo]:
-    """``scontrol show job -o <job>``: its state and restart count."""
+def _job_line(text: str, job: int) -> Parsed[str]:
+    """The one line of ``scontrol show job -o`` that is the job's."""
     lines = [x for x in text.splitlines() if re.match(rf"JobId={job}(\s|$)", x)]
     if len(lines) != 1:
         return Parsed(None, f"{len(lines)} lines start with JobId={job}")
-    state, restarts = _field(lines[0], "JobState"), _field(lines[0], "Restarts")
+    return Parsed(lines[0])
+
+
+def parse_job(text: str, job: int) -> Parsed[JobInfo]:
+    """``scontrol show job -o <job>``: its state and restart count."""
+    line = _job_line(text, job)
+    if line.value is None:
+        return Parsed(None, line.why)
+    state, restarts = _field(line.value, "JobState"), _field(line.value, "Restarts")
     if state.value is None or restarts.value is None:
         return Parsed(None, state.why or restarts.why)
     if not re.fullmatch(r"[A-Z_]{1,32}", state.value):
@@ -180,6 +189,31 @@ def parse_job(text: str, job: int) -> Parsed[JobInfo]:
     if not _INT.fullmatch(restarts.value):
         return Parsed(None, f"unexpected Restarts={restarts.value!r:.40}")
     return Parsed(JobInfo(job, state.value, int(restarts.value)))
+
+
+def parse_owner(text: str, job: int) -> Parsed[int]:
+    """``scontrol show job -o <job>``: the uid of the job's owner, from
+    ``UserId=alice(1000)`` (a uid Slurm cannot name reads ``nobody(1234)``: the
+    number, last, is what counts). Guarded as parse_job is: a second
+    ``UserId=`` (a job name, comment or path that holds one) gives nothing."""
+    line = _job_line(text, job)
+    if line.value is None:
+        return Parsed(None, line.why)
+    user = _field(line.value, "UserId")
+    if user.value is None:
+        return Parsed(None, user.why)
+    m = re.fullmatch(r"\S*\(([0-9]{1,10})\)", user.value)
+    if m is None or int(m.group(1)) > MAX_UID:
+        return Parsed(None, f"unexpected UserId={user.value!r:.60}")
+    return Parsed(int(m.group(1)))
+
+
+def parse_job_owner(text: str, job: int) -> Parsed[tuple[JobInfo, int]]:
+    """``scontrol show job -o <job>``: parse_job and parse_owner of one answer."""
+    info, owner = parse_job(text, job), parse_owner(text, job)
+    if info.value is None or owner.value is None:
+        return Parsed(None, info.why or owner.why)
+    return Parsed((info.value, owner.value))
 
 
 def parse_node(text: str, node: str) -> Parsed[NodeInfo]:
