@@ -679,3 +679,23 @@ def test_an_operator_starts_a_job_that_exited_again(host: Host) -> None:
     again = started(host, d, "a", min_step=1)
     assert again["pid"] != pid and d.alive(), d.output()[-2000:]
     assert [t["to_state"] for t in host.transitions()][-2:] == ["starting", "running"]
+
+
+def test_an_operator_start_with_too_few_healthy_gpus_is_refused_in_one_line(host: Host) -> None:
+    """Xid 79 left the job one healthy GPU of the two it needs: it went FATAL. `trainwatch
+    start` then says why in one line and exits non-zero; the job stays fatal and the
+    daemon goes on, with no traceback in its log."""
+    job = {**host.job_doc("a"), "gpus": {"devices": [0, 1], "min": 2}}
+    host.config([job], gpu={"backend": "sim", "count": 2, "kmsg": None, "poll_interval": "0.2s"})
+    d = host.daemon()
+    started(host, d, "a", min_step=1)
+    drill = subprocess.run([sys.executable, "-m", "faultinject.cli", "gpu-xid", "--gpu", "0",
+                            "--xid", "79", "--run-dir", str(host.run_dir)],
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert drill.returncode == 0, drill.stderr
+    wait_for(lambda: host.status("a").get("state") == "fatal", timeout=60, what="state fatal")
+    r = host.cli("start", "a", "--config", str(host.path))
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stdout + r.stderr
+    assert "1 healthy GPUs, the job needs at least 2" in r.stderr, r.stderr
+    assert host.status("a").get("state") == "fatal" and d.alive()
+    assert "Traceback" not in d.output(), d.output()[-3000:]

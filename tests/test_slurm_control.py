@@ -142,7 +142,9 @@ SHOW_JOB = ("JobId=7 JobName=train.sh UserId=root(0) GroupId=root(0) MCS_label=N
     (SHOW_JOB + "\n", JobInfo(7, "RUNNING", 2)),
     (SHOW_JOB.replace("JobState=RUNNING", "JobState=PENDING"), JobInfo(7, "PENDING", 2)),
     (SHOW_JOB.replace("Restarts=2", "Restarts=0"), JobInfo(7, "RUNNING", 0)),
-    ("JobId=70 JobState=RUNNING Restarts=1\n" + SHOW_JOB, JobInfo(7, "RUNNING", 2)),
+    ("JobId=70 JobState=RUNNING Restarts=1\n" + SHOW_JOB, None),
+    # A job name with a line break: the real fields go to the next line.
+    (SHOW_JOB.replace("JobName=train.sh", "JobName=x JobState=PENDING Restarts=7\nrest"), None),
     (SHOW_JOB.replace("Restarts=2 ", ""), None),
     (SHOW_JOB.replace("Restarts=2", "Restarts=x"), None),
     (SHOW_JOB.replace("Restarts=2", "Restarts="), None),
@@ -159,7 +161,8 @@ def test_show_job_gives_state_and_restarts_and_never_a_forged_field(
         text: str, info: JobInfo | None) -> None:
     """`scontrol show job -o 7`: JobState and Restarts of the line of job 7. A key
     that appears twice (a job name or path that holds ` Restarts=0`), a missing or
-    odd value, two lines for the job or none give nothing, with a reason."""
+    odd value, more than the job's one line (a job name with a line break) or none
+    give nothing, with a reason."""
     parsed = parse_job(text, 7)
     assert parsed.value == info
     assert (parsed.why == "") is (info is not None)

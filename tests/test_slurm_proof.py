@@ -179,6 +179,7 @@ SHOW_JOB = ("JobId=7 JobName=train UserId=alice(1000) GroupId=alice(1000) MCS_la
     (SHOW_JOB.replace("alice(1000)", "a(1)(1000)", 1), 1000),
     (SHOW_JOB.replace("JobName=train", "JobName=x UserId=root(0)"), None),
     (SHOW_JOB.replace("/tmp/my jobs/t.sh", "/tmp/x UserId=root(0)"), None),
+    (SHOW_JOB.replace("JobName=train", "JobName=x UserId=root(0)\nrest"), None),
     (SHOW_JOB.replace("JobName=train", "JobName=UserId=root(0)"), 1000),
     (SHOW_JOB.replace("alice(1000)", "alice", 1), None),
     (SHOW_JOB.replace("alice(1000)", "alice(-1)", 1), None),

@@ -19,7 +19,7 @@ from trainwatch.lifecycle import respond
 from trainwatch.multihost import group, leave, torchrun
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
-from trainwatch.types import JobState
+from trainwatch.types import TERMINAL, JobState
 from trainwatch.watch import anomalies, logwatch
 
 if TYPE_CHECKING:
@@ -80,6 +80,8 @@ def launch(r: Runner, reason: str) -> None:
         if leave.stay_out(r):
             return
         why = f"{len(gpus)} healthy GPUs, the job needs at least {r.job.gpus.min}"
+        if r.state in TERMINAL:  # an operator's start: refused; the job stays as it was
+            raise ValueError(f"job {r.job.name}: {why}")
         respond.run_exec_hook(r, "insufficient_gpus", None)
         r.to(JobState.FATAL, why)
         return

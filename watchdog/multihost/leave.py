@@ -157,9 +157,11 @@ def stay_out(r: Runner) -> bool:
     """A launch on fewer healthy GPUs than the job needs (its exclusions outlive
     a restart of trainwatch): a host of a job across hosts stays out of its group
     and waits in BACKOFF for a pre-flight, as when it left, rather than going
-    FATAL. True when so; an operator's start of an ended job is not."""
+    FATAL. True when so; not for an operator's start of an ended job, nor when
+    the host has too few GPUs even with none excluded (no pre-flight can help)."""
     g = r.group
-    if g is None or r.state not in (None, JobState.BACKOFF):
+    if g is None or r.state not in (None, JobState.BACKOFF) \
+            or len(_gpus(r)) < r.job.gpus.min:
         return False
     group._baseline(r, g)
     if g.out is None:
@@ -272,8 +274,10 @@ def _join(r: Runner, out: Out, res: preflight.Result) -> None:
                 "pre-flight passed (%s); every rank resumes from %s", r.job.name, g.host,
                 g.gen, res.detail, "scratch" if cp is None else f"step {cp.step}")
     g.out, g.before, g.exits_seen, g.held_since = None, set(), 0, None
-    if incident is not None and incident >= 0:
-        r.pending_incident = incident  # the launch records its relaunch
+    if incident is not None and incident >= 0 and r.pending_incident is None:
+        # The launch records its relaunch: the fault's own incident's where one waits
+        # (its outage ends with this launch), else the join's.
+        r.pending_incident = incident
 
 
 def follow_join(r: Runner, rec: records.Restart, now: float) -> None:

@@ -169,10 +169,15 @@ def _field(line: str, key: str) -> Parsed[str]:
 
 
 def _job_line(text: str, job: int) -> Parsed[str]:
-    """The one line of ``scontrol show job -o`` that is the job's."""
-    lines = [x for x in text.splitlines() if re.match(rf"JobId={job}(\s|$)", x)]
-    if len(lines) != 1:
-        return Parsed(None, f"{len(lines)} lines start with JobId={job}")
+    """The one line of ``scontrol show job -o`` that is the job's: the output must be
+    that one line. A job name with a line break (its owner may set one at any time,
+    ``scontrol update JobName=``) puts every field after it on lines of their own,
+    where a forged ``JobState=``/``Restarts=``/``UserId=`` in the name would stand
+    first; an array job prints a line per task. Both give nothing."""
+    lines = [x for x in text.splitlines() if x.strip()]
+    if len(lines) != 1 or not re.match(rf"JobId={job}(\s|$)", lines[0]):
+        return Parsed(None, f"{len(lines)} lines, not the one line of job {job} (a field "
+                      "with a line break, or an array job)")
     return Parsed(lines[0])
 
 

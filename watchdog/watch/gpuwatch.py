@@ -97,11 +97,11 @@ class GpuWatch:
         first = self.backend.poll()
         self.indices = sorted(s.index for s in first)
         self._put("samples", first)
-        saved = atomic.read_json(self._exclusions) or {}
-        for idx, why in saved.get("excluded", {}).items():
-            self.health.exclude(int(idx), str(why), self.clock())
+        excluded, broken = self._saved()
+        for idx, why in excluded.items():
+            self.health.exclude(idx, why, self.clock())
         # A GPU a drill broke stays broken across a restart of ours, as a real one does.
-        self.overlay.broken.update({int(i): str(w) for i, w in saved.get("broken", {}).items()})
+        self.overlay.broken.update(broken)
         if self.spec.kmsg:
             try:
                 self.kmsg = KernelLog(self.spec.kmsg, self.backend.bus_ids(),
@@ -247,6 +247,19 @@ class GpuWatch:
         self.health.clear(gpu)
         self.overlay.clear(gpu)
         self._save()
+
+    def _saved(self) -> tuple[dict[int, str], dict[int, str]]:
+        """The exclusions and drill-broken GPUs saved before; a file of another
+        shape is said once and ignored (the GPUs start unexcluded), never fatal."""
+        saved = atomic.read_json(self._exclusions)
+        try:
+            if saved is None:
+                return {}, {}
+            return ({int(i): str(w) for i, w in saved.get("excluded", {}).items()},
+                    {int(i): str(w) for i, w in saved.get("broken", {}).items()})
+        except (AttributeError, TypeError, ValueError) as e:
+            log.warning("%s: not a GPU exclusion file (%s): ignored", self._exclusions, e)
+            return {}, {}
 
     def _save(self) -> None:
         try:
