@@ -79,6 +79,27 @@ def parse_fields(line: str) -> dict[str, str]:
     return out
 
 
+# One srun task for the tests: what Slurm told it, written to
+# <folder>/<job>.<restart>.<procid>.json, then a sleep (so the job can be requeued
+# or listed). argv: folder, seconds[, "slow"]: with "slow" its first run ignores
+# SIGTERM, as a training process busy on its GPU may: Slurm kills it after
+# KillWait, and a requeued job stays COMPLETING for seconds.
+TASK = """\
+import json, os, signal, sys, time
+if len(sys.argv) > 3 and not os.environ.get("SLURM_RESTART_COUNT"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+keys = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURMD_NODENAME", "SLURM_RESTART_COUNT")
+rec = {k: os.environ.get(k) for k in keys}
+rec["pid"] = os.getpid()
+name = "%s.%s.%s.json" % (rec["SLURM_JOB_ID"], rec["SLURM_RESTART_COUNT"] or 0,
+                          rec["SLURM_PROCID"])
+path = os.path.join(sys.argv[1], name)
+with open(path + ".tmp", "w") as f:
+    json.dump(rec, f)
+os.replace(path + ".tmp", path)
+time.sleep(float(sys.argv[2]))
+"""
+
 @dataclass(frozen=True)
 class ListedPid:
     """One row of `scontrol listpids`: a process slurmd's stepd tracks for a job."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from conftest import free_port
-from slurmcluster import SlurmCluster, poll
+from slurmcluster import TASK, SlurmCluster, poll
 from trainwatch.slurm import actions
 from trainwatch.slurm.command import Outcome, Result, Slurm
 from trainwatch.slurm.parse import ListedPid
@@ -28,25 +28,6 @@ from trainwatch.slurm.parse import ListedPid
 # A requeued job's BeginTime is CRED_EXPIRE + 1 s after the requeue: long enough
 # that a start well before it can only be trainwatch's `StartTime=now`.
 CRED_EXPIRE = 60
-
-# One srun task: what Slurm told it, then a sleep. With a third argument, its first
-# run ignores SIGTERM, as a training process busy on its GPU may: Slurm kills it
-# after KillWait (2 s here), and a requeued job stays COMPLETING for seconds.
-TASK = """\
-import json, os, signal, sys, time
-if len(sys.argv) > 3 and not os.environ.get("SLURM_RESTART_COUNT"):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-keys = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURMD_NODENAME", "SLURM_RESTART_COUNT")
-rec = {k: os.environ.get(k) for k in keys}
-rec["pid"] = os.getpid()
-name = "%s.%s.json" % (rec["SLURM_RESTART_COUNT"] or 0, rec["SLURM_PROCID"])
-path = os.path.join(sys.argv[1], name)
-with open(path + ".tmp", "w") as f:
-    json.dump(rec, f)
-os.replace(path + ".tmp", path)
-time.sleep(float(sys.argv[2]))
-"""
-
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[SlurmCluster]:
@@ -76,7 +57,7 @@ def records(cluster: SlurmCluster, job: int, out: Path, restart: int,
             timeout: float = 120) -> list[dict[str, Any]]:
     """The records of both tasks of the job's run number `restart` (0: the first)."""
     def read() -> list[dict[str, Any]] | None:
-        found = sorted(out.glob(f"{restart}.*.json"))
+        found = sorted(out.glob(f"{job}.{restart}.*.json"))
         return [json.loads(p.read_text()) for p in found] if len(found) == 2 else None
     try:
         return poll(read, timeout, f"the task records of run {restart} in {out}")

@@ -13,22 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from slurmcluster import ListedPid, SlurmCluster, poll
-
-# One srun task: what Slurm told it, then a sleep (so it can be requeued or listed).
-TASK = """\
-import json, os, sys, time
-keys = ("SLURM_JOB_ID", "SLURM_PROCID", "SLURMD_NODENAME", "SLURM_RESTART_COUNT")
-rec = {k: os.environ.get(k) for k in keys}
-rec["pid"] = os.getpid()
-name = "%s.%s.%s.json" % (rec["SLURM_JOB_ID"], rec["SLURM_RESTART_COUNT"] or 0,
-                          rec["SLURM_PROCID"])
-path = os.path.join(sys.argv[1], name)
-with open(path + ".tmp", "w") as f:
-    json.dump(rec, f)
-os.replace(path + ".tmp", path)
-time.sleep(float(sys.argv[2]))
-"""
+from slurmcluster import TASK, ListedPid, SlurmCluster, poll
 
 
 @pytest.fixture(scope="module")
