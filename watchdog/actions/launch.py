@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 _VERIFY_POLL = 0.05  # while a relaunch waits for its checkpoint's verification
+_JUDGE_POLL = 1.0  # while it waits for its checkpoints to be judged (a hand that did not answer)
 
 
 def _across_hosts(r: Runner, job: Job) -> tuple[Job, Mapping[str, str]] | None:
@@ -53,8 +54,8 @@ def launch(r: Runner, reason: str) -> None:
     """Start the next attempt from the last good checkpoint, on the healthy GPUs;
     FATAL when it cannot start."""
     ready, cp = verify.checkpoint_to_use(r, wait=r.state is not JobState.BACKOFF)
-    if not ready:  # its check is still running (in a thread): the relaunch waits for it
-        r.relaunch_at = r.clock() + _VERIFY_POLL
+    if not ready:  # its check still runs (in a thread), or its folder is unjudged: it waits
+        r.relaunch_at = r.clock() + (_JUDGE_POLL if r.catalog.unjudged else _VERIFY_POLL)
         return
     if cp is None:  # none here: the newest on the job's remote store, if it has one
         pull.newest(r, reason)

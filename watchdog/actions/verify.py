@@ -72,6 +72,10 @@ def checkpoint_to_use(r: JobParts, wait: bool) -> tuple[bool, Entry | None]:
     cat = r.catalog
     while True:
         cp = cat.last_good()
+        if not wait and cat.unjudged is not None:
+            # A relaunch from what was judged before would go back further than it
+            # must, or start from scratch: it waits for the hand (handdisk.py says so).
+            return False, None
         if cp is None or cat.verifier is None:
             return True, cp
         c = _check(r, cp)

@@ -259,6 +259,13 @@ class Catalog:
         self._update(force=fresh)
         return self._newest_good(before_step)
 
+    @property
+    def unjudged(self) -> str | None:
+        """Why the folder is not judged as it stands (the job's hand did not
+        answer: what it holds now has no verdict yet), or None."""
+        why = getattr(self.disk, "why_unanswered", None)
+        return why if isinstance(why, str) else None
+
     def _newest_good(self, before_step: int | None = None) -> Entry | None:
         for step in reversed(self.disk.steps):
             e = self._entries.get(step)

@@ -168,8 +168,8 @@ class HandDisk:
         except HandError as e:
             self.unanswered += 1
             if self.why_unanswered is None:
-                log.error("%s: checkpoints in %s not judged: %s (judged again later)",
-                          self.key, self.root, e)
+                log.error("%s: checkpoints in %s not judged: %s (judged again later; a "
+                          "relaunch waits for it)", self.key, self.root, e)
             self.why_unanswered = str(e)
             if not self.hand.down:
                 self._shipped = None  # whatever the hand kept may be gone
