@@ -149,7 +149,9 @@ def test_sigkilled_trainwatch_run_without_a_cgroup_takes_the_jobs_children_down(
         leader, group, session, escaped = pids
         assert os.getpgid(group) == leader
         assert os.getsid(session) == leader and os.getpgid(session) != leader
-        assert os.getsid(escaped) != leader
+        # `setsid sleep` calls setsid() once it runs: its pid is written before that.
+        wait_for(lambda: os.getsid(escaped) != leader, timeout=30,
+                 what="the escapee's own session")
         p.kill()
         p.wait()
         for pid in pids:
