@@ -34,7 +34,7 @@ def _stopped_rank_is_named(ws: Workspace, beat: bool) -> dict[str, object]:
     assert rc == 0, out
     incident = ws.incidents()[0]
     assert incident["kind"] == "nccl_stall", incident
-    assert incident["rank"] == 1, incident
+    assert incident["rank"] == 1, (incident, incident["evidence"])
     assert incident["injected"] == 1
     assert incident["resumed_step"] is not None and incident["resumed_step"] >= 20, incident
     assert ws.transitions()[-1] == "exited"

@@ -48,6 +48,8 @@ CASES = [
      {}, 6.0, (FaultKind.NCCL_STALL, 1, "step")),
     ("the stopped rank is named", ranks((0, 10, 0.0), (1, 10, 0.0)),
      procs((0, "S", 0.0), (1, "T", 0.0)), 6.0, (FaultKind.NCCL_STALL, 1, "process_state")),
+    ("a stopped rank is named before one in D (a busy disk)", ranks((0, 10, 0.0), (1, 10, 0.0)),
+     procs((0, "D", 0.0), (1, "T", 0.0)), 6.0, (FaultKind.NCCL_STALL, 1, "process_state")),
     ("a rank in D state is named", ranks((0, 10, 0.0), (1, 10, 0.0), (2, 10, 0.0)),
      procs((0, "R", 1.0), (1, "R", 1.0), (2, "D", 0.0)), 6.0,
      (FaultKind.NCCL_STALL, 2, "process_state")),

@@ -111,6 +111,11 @@ def name_rank(steps: Mapping[int, int], procs: Mapping[int, Proc],
     halted = [r for r in ranks if (p := procs.get(r)) is not None and p.state in STOPPED]
     if len(halted) == 1:
         return halted[0], "process_state"
+    # A stopped process is stuck for certain; one in D may only be waiting on a busy
+    # disk (rank 0 saving a checkpoint): the stopped one is named.
+    stopped = [r for r in halted if procs[r].state in ("T", "t")]
+    if len(stopped) == 1:
+        return stopped[0], "process_state"
     idle = [r for r in ranks if _idle(procs.get(r), idle_cpu)]
     busy = [r for r in ranks if _busy(procs.get(r), idle_cpu)]
     if len(idle) == 1 and len(busy) == len(ranks) - 1:
