@@ -58,6 +58,9 @@ def test_a_relaunch_waits_for_its_checkpoints_to_be_judged_rather_than_start_ove
     stopper = _Stopper(p.pid)  # from the start: no checkpoint of this job is ever judged
     try:
         wait_for(lambda: _newest(ws) >= 30, timeout=90, what="step 30")
+        # The loop waits out each stopped hand's deadline (5 s): its status may come late.
+        wait_for(lambda: ws.status().get("state") == "running", timeout=90,
+                 what="the job's status")
         r = ws.faultinject("crash")
         assert r.returncode == 0, r.stderr
         newest = _newest(ws)
