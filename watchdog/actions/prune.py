@@ -195,6 +195,20 @@ def after_refresh(r: Runner) -> None:
                          _CLEARING)
 
 
+def at_end(r: Runner) -> None:
+    """The job has ended: one last pass, once the removals under way are done (a
+    pass that came while they ran was skipped, and no refresh follows now) and the
+    checkpoints written last are judged; what it removes is waited for on close."""
+    if r.state not in (JobState.EXITED, JobState.FATAL) or r.observing \
+            or r.catalog.spec.dir is None or not keep_rule(r).deletes:
+        return
+    background.wait(r)
+    try:
+        r.refresh_checkpoints()
+    except Exception:  # closing goes on: the next daemon's catalog sees the same folder
+        log.exception("job %s: the last retention pass failed", r.job.name)
+
+
 def _clear(hand: Hand, job: str, root: str, graves: list[str], collect: bool) -> None:
     """In a thread: the deleted folders' tombstones removed, then the store's GC."""
     for g in graves:

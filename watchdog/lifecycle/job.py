@@ -383,6 +383,8 @@ class JobRunner:
         self.intake.close()
         if self.logwatch is not None:
             self.logwatch.close()
+        if self.done and not release:
+            prune.at_end(self)
         self.catalog.close()
         background.wait(self)  # what it left to threads (its last ring folder, removals)
         self.hands.close()
