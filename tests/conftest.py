@@ -5,6 +5,7 @@ bytes, so not pytest's long tmp_path), a config writer, and a real
 from __future__ import annotations
 
 import contextlib
+import grp
 import json
 import os
 import pwd
@@ -217,15 +218,45 @@ def need_root(what: str) -> None:
         missing(f"needs root: {what}")
 
 
+@contextlib.contextmanager
+def accounts() -> Iterator[None]:
+    """Held while a test adds a user or a group: the suite runs in several processes
+    (pytest-xdist), and useradd fails outright when another holds /etc/passwd's lock."""
+    import fcntl
+
+    with open("/tmp/trainwatch-tests-accounts.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def local_user(name: str) -> pwd.struct_passwd:
     """A local system user (and its group) for the test, created when missing."""
     try:
         return pwd.getpwnam(name)
     except KeyError:
         need_root(f"create the test user {name}")
+    with accounts():
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name)  # another process of the suite made it meanwhile
         subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell",
                         "/usr/sbin/nologin", name], check=True, capture_output=True, timeout=30)
         return pwd.getpwnam(name)
+
+
+def local_group(name: str, members: tuple[str, ...] = ()) -> grp.struct_group:
+    """A local system group for the test, created when missing, with ``members`` in it."""
+    need_root(f"create the test group {name}")
+    with accounts():
+        try:
+            grp.getgrnam(name)
+        except KeyError:
+            subprocess.run(["groupadd", "--system", name], check=True, capture_output=True,
+                           timeout=30)
+        for user in members:
+            if user not in grp.getgrnam(name).gr_mem:
+                subprocess.run(["usermod", "-aG", name, user], check=True,
+                               capture_output=True, timeout=30)
+        return grp.getgrnam(name)
 
 
 @pytest.fixture

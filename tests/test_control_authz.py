@@ -10,7 +10,6 @@ user: who may do what is decided per request from the kernel's credentials."""
 from __future__ import annotations
 
 import contextlib
-import grp
 import json
 import os
 import pwd
@@ -27,7 +26,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import UserPython, free_port, local_user, need_root, wait_for
+from conftest import UserPython, free_port, local_group, local_user, need_root, wait_for
 
 ADMIN, ALICE, BOB, CAROL = "twadmin", "twalice", "twbob", "twcarol"
 JOBS = {"a": ALICE, "b": BOB}
@@ -40,14 +39,7 @@ BEATER = ("import time\nfrom trainwatch import client\nhb = client.connect()\n"
 def _admin_group_member(user: str) -> None:
     """``user`` in the admin group as a supplementary group, as `make install` and
     `usermod -aG trainwatch USER` leave it (the group is created when missing)."""
-    try:
-        grp.getgrnam(GROUP)
-    except KeyError:
-        subprocess.run(["groupadd", "--system", GROUP], check=True, capture_output=True,
-                       timeout=30)
-    if user not in grp.getgrnam(GROUP).gr_mem:
-        subprocess.run(["usermod", "-aG", GROUP, user], check=True, capture_output=True,
-                       timeout=30)
+    local_group(GROUP, (user,))
 
 
 @dataclass

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Workspace, finish, local_user, missing, need_root, wait_for
+from conftest import Workspace, finish, local_group, local_user, missing, need_root, wait_for
 from trainwatch.actions.tree import is_gone
 
 USER, GROUP = "twtest1", "twtestg"
@@ -34,11 +34,7 @@ def _user(name: str) -> pwd.struct_passwd:
 
 def _group(name: str) -> grp.struct_group:
     _need_root()
-    try:
-        return grp.getgrnam(name)
-    except KeyError:
-        subprocess.run(["groupadd", "--system", name], check=True, capture_output=True)
-        return grp.getgrnam(name)
+    return local_group(name)
 
 
 def _logs(ws: Workspace) -> Path:
