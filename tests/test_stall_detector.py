@@ -116,6 +116,9 @@ SILENT = StallSettings(silence=20.0)
     (25.0, procs((0, "S", 0.0), (1, "R", 0.9)), None),  # silent but working
     (25.0, procs((0, "S", 0.0), (1, "T", 0.0), (-77, "S", 0.01)), 1),  # the stopped rank
     (25.0, procs((0, "S", 0.0), (1, "S", 0.0)), None),  # stuck, no rank named (rank None)
+    # Only rank 0 known as a rank (the other process not yet readable as one): idle
+    # "while the others spin" needs others, so nobody is named.
+    (25.0, procs((0, "S", 0.0), (-77, "T", 0.0)), None),
 ])
 def test_silence_and_idle_cpu_stand_in_for_the_client(silent_for: float | None,
                                                       ps: dict[int, Proc],

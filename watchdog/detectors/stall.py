@@ -118,7 +118,9 @@ def name_rank(steps: Mapping[int, int], procs: Mapping[int, Proc],
         return stopped[0], "process_state"
     idle = [r for r in ranks if _idle(procs.get(r), idle_cpu)]
     busy = [r for r in ranks if _busy(procs.get(r), idle_cpu)]
-    if len(idle) == 1 and len(busy) == len(ranks) - 1:
+    # Idle while the others spin: there must be others (a rank whose process is not
+    # known as a rank, say its environment not yet readable, is no evidence).
+    if len(ranks) >= 2 and len(idle) == 1 and len(busy) == len(ranks) - 1:
         return idle[0], "cpu"
     return None, "none"
 

@@ -29,7 +29,7 @@ class Sampler:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.prev: dict[int, tuple[float, float, float | None]] = {}  # pid -> (at, cpu s, rate)
-        self.ranks: dict[int, int | None] = {}  # pid -> RANK from its environment
+        self.ranks: dict[int, int] = {}  # pid -> RANK from its environment, once found
 
     def sample(self, pids: Mapping[int, int]) -> dict[int, Proc]:
         """``pids``: key (a rank) -> pid. A process that is gone is left out."""
@@ -58,16 +58,19 @@ class Sampler:
         return out
 
     def rank_of(self, pid: int) -> int | None:
-        """The RANK in the process's environment (read once per pid); None: none."""
-        if pid not in self.ranks:
-            rank: int | None = None
-            try:
-                raw = psutil.Process(pid).environ().get("RANK")
-                rank = int(raw) if raw is not None and raw.isdigit() else None
-            except (psutil.Error, OSError, ValueError):
-                rank = None
+        """The RANK in the process's environment; None: none. A rank found is kept
+        for the pid; none is asked again at the next sample: a worker seen between
+        fork and exec still shows its launcher's environment (no RANK yet)."""
+        if pid in self.ranks:
+            return self.ranks[pid]
+        try:
+            raw = psutil.Process(pid).environ().get("RANK")
+        except (psutil.Error, OSError, ValueError):
+            return None
+        rank = int(raw) if raw is not None and raw.isdigit() else None
+        if rank is not None:
             self.ranks[pid] = rank
-        return self.ranks[pid]
+        return rank
 
     def by_rank(self, pids: Iterable[int]) -> dict[int, int]:
         """Key -> pid for a job without the client: a worker by its RANK, any

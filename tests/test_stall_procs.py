@@ -1,0 +1,38 @@
+"""The stall detector's process sampler (sources/procs.py) on real processes: which
+rank a process is, for a job without the client, from the RANK in its environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import wait_for
+from trainwatch.sources.procs import Sampler
+
+# Stands in for a torchrun worker: forked without RANK, then exec'd with it.
+WORKER = ("import os, sys\nsys.stdout.write('forked\\n')\nsys.stdout.flush()\n"
+          "sys.stdin.readline()\nos.execve('/bin/sleep', ['sleep', '60'], {'RANK': '1'})\n")
+
+
+def test_a_worker_seen_before_its_exec_is_named_by_its_rank_after_it() -> None:
+    """Sampled between fork and exec, a worker still has its launcher's environment (no
+    RANK): it is keyed by its pid then, and by its rank once it has exec'd (a loaded run
+    saw the one stopped rank keyed by pid for good, and named the other)."""
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    p = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, env=env)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        assert p.stdout.readline() == b"forked\n"
+        s = Sampler()
+        assert s.by_rank([p.pid]) == {-p.pid: p.pid}
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+        wait_for(lambda: Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(b"sleep\0"),
+                 timeout=30, what="the exec")
+        assert s.by_rank([p.pid]) == {1: p.pid}
+    finally:
+        p.kill()
+        p.wait()
