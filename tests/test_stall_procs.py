@@ -26,13 +26,32 @@ def test_a_worker_seen_before_its_exec_is_named_by_its_rank_after_it() -> None:
     try:
         assert p.stdout is not None and p.stdin is not None
         assert p.stdout.readline() == b"forked\n"
-        s = Sampler()
+        now = [0.0]
+        s = Sampler(clock=lambda: now[0])
         assert s.by_rank([p.pid]) == {-p.pid: p.pid}
         p.stdin.write(b"\n")
         p.stdin.flush()
         wait_for(lambda: Path(f"/proc/{p.pid}/cmdline").read_bytes().startswith(b"sleep\0"),
                  timeout=30, what="the exec")
+        assert s.by_rank([p.pid]) == {-p.pid: p.pid}  # asked again only a second later
+        now[0] = 1.0
         assert s.by_rank([p.pid]) == {1: p.pid}
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_process_without_a_rank_is_asked_a_few_times_only() -> None:
+    """The launcher (or a shell) never gets a RANK: its environment is read five times,
+    a second apart, then no more (every scan of the job's tree asks)."""
+    p = subprocess.Popen(["sleep", "60"], env={"PATH": os.defpath})
+    try:
+        now = [0.0]
+        s = Sampler(clock=lambda: now[0])
+        for i in range(40):
+            now[0] = i * 0.5
+            assert s.rank_of(p.pid) is None
+        assert s.no_rank[p.pid][1] == 5
     finally:
         p.kill()
         p.wait()

@@ -20,6 +20,8 @@ _LETTER = {
 
 _BASE_MIN = 0.5  # a rate over less than this is noise (CPU time counts in 10 ms ticks)
 _BASE_MAX = 5.0  # a rate over more than this says little of the stall
+_RANK_AGAIN = 1.0  # a process with no RANK yet is asked again after this
+_RANK_TRIES = 5  # and at most this often: the launcher's, a shell's, never has one
 
 
 class Sampler:
@@ -30,6 +32,7 @@ class Sampler:
         self.clock = clock
         self.prev: dict[int, tuple[float, float, float | None]] = {}  # pid -> (at, cpu s, rate)
         self.ranks: dict[int, int] = {}  # pid -> RANK from its environment, once found
+        self.no_rank: dict[int, tuple[float, int]] = {}  # pid -> (ask again at, asked)
 
     def sample(self, pids: Mapping[int, int]) -> dict[int, Proc]:
         """``pids``: key (a rank) -> pid. A process that is gone is left out."""
@@ -59,16 +62,22 @@ class Sampler:
 
     def rank_of(self, pid: int) -> int | None:
         """The RANK in the process's environment; None: none. A rank found is kept
-        for the pid; none is asked again at the next sample: a worker seen between
-        fork and exec still shows its launcher's environment (no RANK yet)."""
+        for the pid; none found is asked again a few times, seconds apart: a worker
+        seen between fork and exec still shows its launcher's environment."""
         if pid in self.ranks:
             return self.ranks[pid]
+        now = self.clock()
+        ask_at, tries = self.no_rank.get(pid, (now, 0))
+        if now < ask_at or tries >= _RANK_TRIES:
+            return None
         try:
             raw = psutil.Process(pid).environ().get("RANK")
         except (psutil.Error, OSError, ValueError):
-            return None
+            raw = None
         rank = int(raw) if raw is not None and raw.isdigit() else None
-        if rank is not None:
+        if rank is None:
+            self.no_rank[pid] = (now + _RANK_AGAIN, tries + 1)
+        else:
             self.ranks[pid] = rank
         return rank
 
