@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from trainwatch.multihost import records
@@ -111,3 +112,95 @@ def test_a_rank_that_says_its_peer_failed_is_blamed_on_the_peer(tmp_path: Path) 
     assert group.peer_blamed(log, len(old), 0) is None  # its own line says no such thing
     assert group.peer_blamed(log, log.stat().st_size, 1) is None  # before this round
     assert group.peer_blamed(tmp_path / "gone.log", 0, 1) is None
+
+
+# --- scopes (a Slurm job's records: .trainwatch/slurm-<job id>/) ---
+
+
+def test_no_scope_keeps_the_layout_and_a_scope_has_a_folder_of_its_own(
+        tmp_path: Path) -> None:
+    """Without a scope, restart-N is in <root>/.trainwatch as before; with one, in
+    <root>/.trainwatch/<scope>/, with the same files. The resume-from tracker is
+    <root>/.trainwatch/resume-from either way: the newest decision's, any scope."""
+    root = str(tmp_path)
+    base = tmp_path / records.FOLDER
+    assert records.folder(root) == str(base)
+    assert records.folder(root, "slurm-7") == str(base / "slurm-7")
+    records.begin_in_hand(root, 1, "hA", _decision(10), {"kind": "crash", "rank": 0, "at": 1.0})
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        ".trainwatch", ".trainwatch/restart-00000001",
+        ".trainwatch/restart-00000001/claim-hA.json",
+        ".trainwatch/restart-00000001/decision.json", ".trainwatch/resume-from"]
+    assert (base / "resume-from").read_text() == "/ck/step_10\n"
+    got = records.begin_in_hand(root, 1, "hA", _decision(20),
+                                {"kind": "hang", "rank": 1, "at": 2.0}, "slurm-7")
+    assert got["won"] is True
+    scoped = base / "slurm-7" / "restart-00000001"
+    assert sorted(p.name for p in scoped.iterdir()) == ["claim-hA.json", "decision.json"]
+    assert json.loads((scoped / "decision.json").read_text())["resume_step"] == 20
+    assert (base / "resume-from").read_text() == "/ck/step_20\n"
+    assert not (base / "slurm-7" / "resume-from").exists()
+    assert json.loads((base / "restart-00000001" / "decision.json").read_text())[
+        "resume_step"] == 10
+    assert records.decision_after(records.folder(root, "slurm-7"), 0)["resume_step"] == 20  # type: ignore[index]
+
+
+def test_two_scopes_and_the_default_never_see_each_others_records(tmp_path: Path) -> None:
+    """slurm-7 and slurm-8 (a new sbatch, restarts from 0 again) and the unscoped
+    records each make their own restart 1 (each wins it), read only their own
+    restarts, claims and stacks, and count only their own."""
+    root = str(tmp_path)
+    scopes: list[str | None] = [None, "slurm-7", "slurm-8"]
+    for i, scope in enumerate(scopes):
+        got = records.begin_in_hand(root, 1, f"h{i}", _decision(10 * (i + 1)), None, scope)
+        assert got["won"] is True, scope
+        records.claim_in_hand(root, 1, f"c{i}", {"kind": "crash", "rank": i, "at": 5.0 + i},
+                              scope)
+        records.stacks_in_hand(root, 1, f"c{i}", [{"rank": i}], scope)
+    records.begin_in_hand(root, 2, "h7", _decision(70), None, "slurm-7")
+    assert [records.current_in_hand(root, s) for s in scopes] == [1, 2, 1]
+    assert records.newest_in_hand(root, 1, None) is None
+    assert records.newest_in_hand(root, 1, "slurm-8") is None
+    for i, scope in enumerate(scopes):
+        rec = records.parse(records.newest_in_hand(root, 0, scope))
+        assert rec is not None
+        newest = (2, "h7", 70) if scope == "slurm-7" else (1, f"h{i}", 10 * (i + 1))
+        assert (rec.gen, rec.host, rec.resume_step) == newest, scope
+        first = records.parse(records.begin_in_hand(root, 1, "late", _decision(99), None, scope))
+        assert first is not None
+        assert (first.host, first.resume_step) == (f"h{i}", 10 * (i + 1)), scope
+        assert first.claims == ((f"c{i}", "crash", i, 5.0 + i),), scope
+        assert first.stacks == ((f"c{i}", {"rank": i}),), scope
+
+
+@pytest.mark.parametrize("scope", [
+    "", ".", "..", "../x", "a/b", "/abs", "slurm-7/..", "a..b", ".hidden", "a b", "a\nb",
+    "slurm-7\x00", "é", "x" * 65, "restart-00000001", "resume-from", 7, b"slurm-7",
+])
+def test_a_scope_that_is_not_one_plain_name_is_refused_and_nothing_is_made(
+        tmp_path: Path, scope: Any) -> None:
+    """A scope with a separator, a dot first, `..`, an odd character, too long, a
+    name of the default layout (restart-N, resume-from) or not a str: every records
+    function raises ValueError before it touches the folder."""
+    root = tmp_path / "ck"
+    root.mkdir()
+    assert records.bad_scope(scope) is not None
+    calls = [
+        lambda: records.folder(str(root), scope),
+        lambda: records.begin_in_hand(str(root), 1, "hA", _decision(), {"at": 1.0}, scope),
+        lambda: records.claim_in_hand(str(root), 1, "hA", {"at": 1.0}, scope),
+        lambda: records.stacks_in_hand(str(root), 1, "hA", [], scope),
+        lambda: records.newest_in_hand(str(root), 0, scope),
+        lambda: records.current_in_hand(str(root), scope),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="a records scope is one name"):
+            call()
+    assert list(tmp_path.rglob("*")) == [root]
+
+
+@pytest.mark.parametrize("scope", ["slurm-7", "slurm-4294967293", "a", "A.b_c-9", "x" * 64])
+def test_a_plain_name_is_a_scope(scope: str) -> None:
+    """Letters, digits, '.', '_', '-', one to 64, not a dot first."""
+    assert records.bad_scope(scope) is None
+    assert records.folder("/ck", scope) == f"/ck/{records.FOLDER}/{scope}"

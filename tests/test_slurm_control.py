@@ -16,9 +16,11 @@ from trainwatch.slurm import actions
 from trainwatch.slurm.command import MESSAGE_CHARS, Outcome, Result, Slurm, judge, run
 from trainwatch.slurm.parse import (
     MAX_REASON,
+    ExitCode,
     JobInfo,
     ListedPid,
     NodeInfo,
+    Parsed,
     after_requeue,
     bad_delay,
     bad_job,
@@ -138,10 +140,13 @@ SHOW_JOB = ("JobId=7 JobName=train.sh UserId=root(0) GroupId=root(0) MCS_label=N
             "Power=")
 
 
+OK = ExitCode(0, 0)
+
+
 @pytest.mark.parametrize(("text", "info"), [
-    (SHOW_JOB + "\n", JobInfo(7, "RUNNING", 2)),
-    (SHOW_JOB.replace("JobState=RUNNING", "JobState=PENDING"), JobInfo(7, "PENDING", 2)),
-    (SHOW_JOB.replace("Restarts=2", "Restarts=0"), JobInfo(7, "RUNNING", 0)),
+    (SHOW_JOB + "\n", JobInfo(7, "RUNNING", 2, OK)),
+    (SHOW_JOB.replace("JobState=RUNNING", "JobState=PENDING"), JobInfo(7, "PENDING", 2, OK)),
+    (SHOW_JOB.replace("Restarts=2", "Restarts=0"), JobInfo(7, "RUNNING", 0, OK)),
     ("JobId=70 JobState=RUNNING Restarts=1\n" + SHOW_JOB, None),
     # A job name with a line break: the real fields go to the next line.
     (SHOW_JOB.replace("JobName=train.sh", "JobName=x JobState=PENDING Restarts=7\nrest"), None),
@@ -166,6 +171,56 @@ def test_show_job_gives_state_and_restarts_and_never_a_forged_field(
     parsed = parse_job(text, 7)
     assert parsed.value == info
     assert (parsed.why == "") is (info is not None)
+
+
+ENDED = SHOW_JOB.replace("JobState=RUNNING", "JobState=FAILED")
+
+
+@pytest.mark.parametrize(("code", "exit_code"), [
+    ("ExitCode=0:0", ExitCode(0, 0)),
+    ("ExitCode=3:0", ExitCode(3, 0)),
+    ("ExitCode=255:0", ExitCode(255, 0)),
+    ("ExitCode=0:9", ExitCode(0, 9)),
+    ("ExitCode=0:127", ExitCode(0, 127)),
+    # --details adds DerivedExitCode= (the steps' highest): not the job's.
+    ("ExitCode=1:0 DerivedExitCode=0:9", ExitCode(1, 0)),
+    ("DerivedExitCode=0:9", None),
+    ("", None),
+    ("ExitCode=", None),
+    ("ExitCode=3", None),
+    ("ExitCode=3:", None),
+    ("ExitCode=:9", None),
+    ("ExitCode=3:0:1", None),
+    ("ExitCode=-1:0", None),
+    ("ExitCode=256:0", None),
+    ("ExitCode=0:128", None),
+    ("ExitCode=1000:0", None),
+    ("ExitCode=x:y", None),
+    ("ExitCode=0:0 JobName2=a ExitCode=0:0", None),
+])
+def test_show_job_gives_the_exit_code_or_none_and_still_the_rest(
+        code: str, exit_code: ExitCode | None) -> None:
+    """`ExitCode=A:B` of an ended job: status A (0-255) and signal B (0-127). A
+    missing, odd or out-of-range value, or a second `ExitCode=` (a forged one),
+    gives no exit code, and JobState and Restarts are believed all the same."""
+    text = ENDED.replace("ExitCode=0:0", code)
+    assert parse_job(text, 7) == Parsed(JobInfo(7, "FAILED", 2, exit_code))
+
+
+def test_a_job_name_that_forges_an_exit_code_gives_none() -> None:
+    """A job named `x ExitCode=0:0` that failed with 3: two ExitCode= fields, neither
+    believed (the name's comes first)."""
+    text = ENDED.replace("ExitCode=0:0", "ExitCode=3:0").replace(
+        "JobName=train.sh", "JobName=x ExitCode=0:0")
+    assert parse_job(text, 7).value == JobInfo(7, "FAILED", 2, None)
+
+
+@pytest.mark.parametrize(("code", "returncode"), [
+    (ExitCode(0, 0), 0), (ExitCode(3, 0), 3), (ExitCode(0, 9), -9), (ExitCode(0, 15), -15),
+])
+def test_an_exit_code_reads_as_a_returncode(code: ExitCode, returncode: int) -> None:
+    """As subprocess's returncode: the exit status, or minus the signal."""
+    assert code.returncode == returncode
 
 
 @pytest.mark.parametrize(("text", "info"), [

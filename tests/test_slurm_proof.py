@@ -24,8 +24,9 @@ from pathlib import Path
 import pytest
 from conftest import UserPython, free_port
 from slurmcluster import SlurmCluster, poll
+from trainwatch.slurm import actions
 from trainwatch.slurm.command import Outcome, Slurm
-from trainwatch.slurm.parse import JobInfo, ListedPid, parse_owner
+from trainwatch.slurm.parse import ExitCode, JobInfo, ListedPid, parse_owner
 from trainwatch.slurm.proof import (
     CHECKS,
     Claim,
@@ -371,7 +372,7 @@ def test_each_tasks_child_proves_its_true_claim_on_its_own_node_only(
         r = prove(peer.claim, peer.cred.pid, peer.cred.uid, node, slurm=slurm)
         assert r.outcome is Outcome.OK, r
         assert r.value == Proven(job.id, 0, peer.claim.rank, node, peer.cred.pid, 0,
-                                 stat.ppid, 0)
+                                 stat.ppid, 0, restarts=0)
         ranks[node] = peer.claim.rank
         other = "n2" if node == "n1" else "n1"
         refused("process", peer.claim, peer, other, slurm)
@@ -469,6 +470,52 @@ def test_a_peer_that_exits_while_it_is_checked_is_refused(
     assert r.outcome is Outcome.REFUSED and r.message.startswith("peer: "), r
     assert "while it was checked" in r.message
     assert read_stat(peer.cred.pid) is None
+
+
+def test_a_proof_carries_the_restart_count_of_the_run_it_proved(
+        job: Job, cluster: SlurmCluster, slurm: Slurm) -> None:
+    """A 1-node batch job whose srun task claims rank 0: proven with restarts 0;
+    requeued by Slurm and started again, its new task is proven with restarts 1
+    (Slurm's Restarts=, the count every node reads)."""
+    script = (f"#!/bin/sh\nexec srun -N1 -n1 {job.python} -I {job.folder}/claimer.py "
+              f"{job.folder}/s task\n")
+    requeued = cluster.sbatch(script, "-N1", "-n1")
+    peers: list[Peer] = []
+    try:
+        for restarts in (0, 1):
+            [peer] = accept(job.listener, 1, 120, f"run {restarts} of job {requeued}")
+            peers.append(peer)
+            assert peer.claim == Claim(requeued, 0, 0)
+            r = prove(peer.claim, peer.cred.pid, peer.cred.uid, peer.node, slurm=slurm)
+            assert r.outcome is Outcome.OK and r.value is not None, r
+            assert (r.value.job, r.value.restarts) == (requeued, restarts)
+            if restarts == 0:
+                cluster.requeue(requeued)
+                cluster.start_now(requeued)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; {cluster.describe(requeued)}") from None
+    finally:
+        for p in peers:
+            p.conn.close()
+        cluster.cancel(requeued)
+
+
+@pytest.mark.parametrize(("script", "state", "code"), [
+    ("exit 3", "FAILED", ExitCode(3, 0)),
+    ("kill -9 $$", "FAILED", ExitCode(0, 9)),
+    ("exit 0", "COMPLETED", ExitCode(0, 0)),
+])
+def test_the_job_info_a_proof_reads_gives_slurms_exit_code_of_an_ended_job(
+        cluster: SlurmCluster, slurm: Slurm, script: str, state: str, code: ExitCode) -> None:
+    """The JobInfo that prove() reads (actions.job_owner) of a batch script that
+    exited 3, was killed by signal 9, or exited 0: Slurm's ExitCode as status and
+    signal."""
+    ended = cluster.sbatch(f"#!/bin/sh\n{script}\n", "-N1", "-n1")
+    cluster.wait_ended(ended)
+    seen = actions.job_owner(ended, slurm=slurm)
+    assert seen.value is not None, seen
+    info, owner = seen.value
+    assert (info.state, info.exit_code, owner) == (state, code, 0), cluster.describe(ended)
 
 
 def test_a_claim_on_a_job_that_is_not_running_or_unknown_is_refused(

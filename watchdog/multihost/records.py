@@ -8,6 +8,12 @@ host of a multi-host job sees (training shares it anyway):
                              the newest decision's checkpoint path (empty: from scratch),
                              one line, for a job without the client (as Megatron's tracker)
 
+A Slurm job's records live in a scope of their own, ``scope`` =
+``slurm-<job id>``: ``<checkpoints.dir>/.trainwatch/slurm-<job id>/restart-N/``,
+so that a new sbatch of the same training (a new job id, restarts from 0 again)
+never reads an old job's restart-N; the ``resume-from`` tracker stays where it
+is, one per checkpoint folder. Without a scope (None), the layout above.
+
 The first host to act on a fault makes the restart's folder (``mkdir``: of
 many hosts acting at once, one wins) and writes the decision; every host that
 saw a fault of its own adds its claim, so that where the restart began is the
@@ -40,6 +46,10 @@ FOLDER = ".trainwatch"
 _NAME = re.compile(r"restart-(\d{8})")
 _CLAIM = re.compile(r"claim-([A-Za-z0-9._-]{1,64})\.json")
 _STACKS = re.compile(r"stacks-([A-Za-z0-9._-]{1,64})\.json")
+# A scope is one name in the folder: no separator, never "." or ".." (nor a
+# hidden name, such as _write's temporary files), none of the default layout's.
+_SCOPE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
+TRACKER = "resume-from"
 MAX_NAMES = 4096  # names read from the folder per look
 MAX_CLAIMS = 64  # claims read from one restart's folder
 MAX_BYTES = 16 * 1024  # one record
@@ -49,8 +59,23 @@ TIMEOUT = 5.0  # one hand call on the shared folder
 SETTLE = 2.0
 
 
-def folder(root: str) -> str:
-    return os.path.join(root, FOLDER)
+def bad_scope(scope: object) -> str | None:
+    """Why `scope` is not a scope's name; None when it is one."""
+    if not isinstance(scope, str) or not _SCOPE.fullmatch(scope) or ".." in scope \
+            or _NAME.fullmatch(scope) or scope == TRACKER:
+        return (f"a records scope is one name of 1 to 64 letters, digits, '_', '.' or '-' "
+                f"(no dot first, no '..', not restart-N or {TRACKER}), got {scope!r:.80}")
+    return None
+
+
+def folder(root: str, scope: str | None = None) -> str:
+    """Where the restarts' folders are: ``<root>/.trainwatch``, or the scope's
+    folder in it. A scope that is not one name raises ValueError."""
+    if scope is None:
+        return os.path.join(root, FOLDER)
+    if problem := bad_scope(scope):
+        raise ValueError(problem)
+    return os.path.join(root, FOLDER, scope)
 
 
 def _write(d: str, name: str, body: dict[str, Any] | str) -> None:
@@ -124,10 +149,11 @@ def _restart(base: str, gen: int) -> dict[str, Any]:
 
 
 def begin_in_hand(root: str, gen: int, host: str, decision: dict[str, Any],
-                  claim: dict[str, Any] | None) -> dict[str, Any]:
-    """Restart ``gen``: made here (``won``) with this decision, or made already by
-    another host (its record comes back); this host's claim added either way."""
-    base = folder(root)
+                  claim: dict[str, Any] | None, scope: str | None = None) -> dict[str, Any]:
+    """Restart ``gen`` (of ``scope``): made here (``won``) with this decision, or
+    made already by another host (its record comes back); this host's claim added
+    either way. The tracker is written in ``<root>/.trainwatch`` in any scope."""
+    base = folder(root, scope)
     os.makedirs(base, mode=0o755, exist_ok=True)
     d = os.path.join(base, f"restart-{gen:08d}")
     try:
@@ -138,29 +164,31 @@ def begin_in_hand(root: str, gen: int, host: str, decision: dict[str, Any],
     if won:
         _write(d, "decision.json", {**decision, "host": host, "gen": gen})
         path = decision.get("resume_path")
-        _write(base, "resume-from", f"{path if isinstance(path, str) else ''}\n")
+        _write(folder(root), TRACKER, f"{path if isinstance(path, str) else ''}\n")
     if claim is not None:
         _write(d, f"claim-{host}.json", {**claim, "host": host})
     return {"won": won, **_restart(base, gen)}
 
 
-def claim_in_hand(root: str, gen: int, host: str, claim: dict[str, Any]) -> None:
+def claim_in_hand(root: str, gen: int, host: str, claim: dict[str, Any],
+                  scope: str | None = None) -> None:
     """This host saw a fault of its own in restart ``gen``, made by another."""
-    d = os.path.join(folder(root), f"restart-{gen:08d}")
+    d = os.path.join(folder(root, scope), f"restart-{gen:08d}")
     if os.path.isdir(d):
         _write(d, f"claim-{host}.json", {**claim, "host": host})
 
 
-def stacks_in_hand(root: str, gen: int, host: str, ranks: list[dict[str, Any]]) -> None:
+def stacks_in_hand(root: str, gen: int, host: str, ranks: list[dict[str, Any]],
+                   scope: str | None = None) -> None:
     """This host's ranks' stacks (multihost/stackshare.py), taken in restart ``gen``."""
-    d = os.path.join(folder(root), f"restart-{gen:08d}")
+    d = os.path.join(folder(root, scope), f"restart-{gen:08d}")
     if os.path.isdir(d):
         _write(d, f"stacks-{host}.json", {"host": host, "ranks": ranks})
 
 
-def newest_in_hand(root: str, after: int) -> dict[str, Any] | None:
-    """The newest restart above ``after``, or None."""
-    base = folder(root)
+def newest_in_hand(root: str, after: int, scope: str | None = None) -> dict[str, Any] | None:
+    """The newest restart of ``scope`` above ``after``, or None."""
+    base = folder(root, scope)
     gen = _newest(base, after)
     return None if gen is None else _restart(base, gen)
 
@@ -184,9 +212,9 @@ def call(r: Runner, fn: Any, *args: Any) -> Any:
         return None
 
 
-def current_in_hand(root: str) -> int:
-    """The newest restart's number, 0 when there is none."""
-    return _newest(folder(root), 0) or 0
+def current_in_hand(root: str, scope: str | None = None) -> int:
+    """The newest restart's number (of ``scope``), 0 when there is none."""
+    return _newest(folder(root, scope), 0) or 0
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 T = TypeVar("T")
 
@@ -30,6 +30,9 @@ LISTPIDS_HEADER = ["PID", "JOBID", "STEPID", "LOCALID", "GLOBALID"]
 _INT = re.compile(r"[0-9]{1,10}")
 _STEP = re.compile(r"[A-Za-z0-9_+]{1,32}")  # 0, batch, extern, interactive, 0+1
 _STATE = re.compile(r"[a-z_]{1,32}")
+_EXIT = re.compile(r"([0-9]{1,3}):([0-9]{1,3})")
+MAX_STATUS = 255  # an exit status is 8 bits (WEXITSTATUS)
+MAX_SIGNAL = 127  # a signal number is 7 bits (WTERMSIG)
 OUT_OF_SERVICE = frozenset({"drain", "down", "fail"})
 # JobStates of a requeued job on its way back to PENDING (scontrol shows a flag
 # such as COMPLETING in place of the base state).
@@ -58,6 +61,20 @@ class ListedPid:
     global_id: int | None
 
 
+class ExitCode(NamedTuple):
+    """A job's ``ExitCode=A:B``: the exit status A of its batch script (of salloc or
+    srun, for a job that has none), or the signal B that ended it; Slurm 22.05
+    sets at most one of them. A job that has not ended reads ``0:0``."""
+
+    status: int  # 0..MAX_STATUS
+    signal: int  # 0..MAX_SIGNAL
+
+    @property
+    def returncode(self) -> int:
+        """As subprocess says it: the status, or minus the signal."""
+        return -self.signal if self.signal else self.status
+
+
 @dataclass(frozen=True)
 class JobInfo:
     """What trainwatch reads of a job from ``scontrol show job -o``."""
@@ -65,6 +82,9 @@ class JobInfo:
     job: int
     state: str  # JobState: RUNNING, PENDING, COMPLETED, ...
     restarts: int  # Restarts: requeues so far (SLURM_RESTART_COUNT of its next run)
+    # ExitCode; None when it is missing, odd or seen twice (a forged one is never
+    # believed), which leaves the rest believed: nothing is proven by it.
+    exit_code: ExitCode | None = None
 
 
 @dataclass(frozen=True)
@@ -181,8 +201,17 @@ def _job_line(text: str, job: int) -> Parsed[str]:
     return Parsed(lines[0])
 
 
+def parse_exit_code(value: str) -> ExitCode | None:
+    """``ExitCode=``'s value, ``A:B``: None unless both are numbers in range."""
+    m = _EXIT.fullmatch(value)
+    if m is None:
+        return None
+    status, signal = int(m.group(1)), int(m.group(2))
+    return ExitCode(status, signal) if status <= MAX_STATUS and signal <= MAX_SIGNAL else None
+
+
 def parse_job(text: str, job: int) -> Parsed[JobInfo]:
-    """``scontrol show job -o <job>``: its state and restart count."""
+    """``scontrol show job -o <job>``: its state, restart count and exit code."""
     line = _job_line(text, job)
     if line.value is None:
         return Parsed(None, line.why)
@@ -193,7 +222,9 @@ def parse_job(text: str, job: int) -> Parsed[JobInfo]:
         return Parsed(None, f"unexpected JobState={state.value!r:.40}")
     if not _INT.fullmatch(restarts.value):
         return Parsed(None, f"unexpected Restarts={restarts.value!r:.40}")
-    return Parsed(JobInfo(job, state.value, int(restarts.value)))
+    code = _field(line.value, "ExitCode").value
+    return Parsed(JobInfo(job, state.value, int(restarts.value),
+                          None if code is None else parse_exit_code(code)))
 
 
 def parse_owner(text: str, job: int) -> Parsed[int]:

@@ -71,7 +71,9 @@ class Claim:
 class Proven:
     """A claim that held: ``pid`` (uid ``uid``) is, or descends from, the task of
     global id ``rank`` (pid ``task_pid``, local id ``local_id``) of the job's step
-    ``step`` on ``node``."""
+    ``step`` on ``node``. ``restarts`` is the job's ``Restarts=`` as the proof read
+    it: how many times Slurm had requeued it (the run the peer belongs to, counted
+    from 0, which every node agrees on)."""
 
     job: int
     step: int
@@ -81,6 +83,7 @@ class Proven:
     uid: int
     task_pid: int
     local_id: int | None
+    restarts: int
 
 
 @dataclass(frozen=True)
@@ -236,7 +239,8 @@ def prove(claim: Claim, peer_pid: int, peer_uid: int, node: str, *,
     seen = actions.job_owner(claim.job, slurm=slurm)
     if seen.value is None:
         return _no("job", seen.message, seen.outcome)
-    if refusal := judge_job(claim, *seen.value, peer_uid):
+    info, owner = seen.value
+    if refusal := judge_job(claim, info, owner, peer_uid):
         return _no(refusal.check, refusal.why)
     listed = actions.listpids(claim.job, node, slurm=slurm)
     if listed.value is None:
@@ -250,7 +254,7 @@ def prove(claim: Claim, peer_pid: int, peer_uid: int, node: str, *,
     return Result(Outcome.OK, f"pid {peer_pid} is rank {task.global_id} of job "
                   f"{claim.job} step {claim.step} on {node}",
                   value=Proven(claim.job, claim.step, claim.rank, node, peer_pid, peer_uid,
-                               task.pid, task.local_id))
+                               task.pid, task.local_id, info.restarts))
 
 
 def _bad_id(name: str, value: object, least: int) -> str | None:
