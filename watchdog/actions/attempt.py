@@ -15,6 +15,7 @@ in a file; a restarted trainwatch adopts the attempt from what it recorded
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from trainwatch.actions import credentials, kept, passthrough
 from trainwatch.actions.cgroup import AttemptCgroup
@@ -200,6 +202,11 @@ class Attempt:
         self.follower: LogFollower | None = None
         if passthrough:
             self.follower = LogFollower(str(self.log_path), self._through)
+
+    def launched(self) -> dict[str, Any]:
+        """What runtime.json records of the attempt's processes (state/runtime.py)."""
+        return {**dataclasses.asdict(self.rec), "log": str(self.log_path),
+                "cgroup_path": self.cgroup.path if self.cgroup else None}
 
     def _through(self, data: bytes) -> None:
         self.dropped += passthrough.to(1).write(data)

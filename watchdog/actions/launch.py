@@ -18,6 +18,7 @@ from trainwatch.config import Job
 from trainwatch.lifecycle import respond
 from trainwatch.multihost import group, leave, torchrun
 from trainwatch.sources.ranks import Ranks
+from trainwatch.state.catalog import Entry
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import TERMINAL, JobState
 from trainwatch.watch import anomalies, logwatch
@@ -117,6 +118,13 @@ def launch(r: Runner, reason: str) -> None:
         log.error("job %s: %s", r.job.name, what)
         r.to(JobState.FATAL, what)
         return
+    begin_attempt(r, a, cp, reason)
+
+
+def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
+    """Make ``a``, started from ``cp`` (None: fresh), the runner's attempt: its
+    ranks, beats and exits watched from now, STARTING, and the relaunch after a
+    fault (time to relaunch, steps lost) in the ledger and the metrics."""
     if cp is not None:
         r.catalog.used_by(cp.step, r.number)
     if r.attempt is not None:
@@ -140,8 +148,8 @@ def launch(r: Runner, reason: str) -> None:
     if a.pidfd is not None:
         r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
     where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
-    if gpus is not None:
-        where += f", GPUs {','.join(map(str, gpus))}"
+    if a.gpus is not None:
+        where += f", GPUs {','.join(map(str, a.gpus))}"
     r.to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
     attemptfiles.sweep(os.path.dirname(r.socket_path), a.log_path, r.job.name, a.number)
     if r.pending_incident is not None:

@@ -60,9 +60,7 @@ def of(r: Runner) -> Runtime:
         job=r.job.name,
         state=r.state.value if r.state else None,
         attempt=r.number,
-        launched={**dataclasses.asdict(a.rec), "log": str(a.log_path),
-                  "cgroup_path": a.cgroup.path if a.cgroup else None}
-        if live and a is not None else None,
+        launched=a.launched() if live and a is not None else None,
         resume_from=a.resume_from if a else None,
         resumed_step=a.resumed_step if a else None,
         gpus=a.gpus if a else None,
