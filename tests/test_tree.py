@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import missing, wait_for
 from trainwatch.actions import cgroup
-from trainwatch.actions.attempt import Attempt, reap_watchers
+from trainwatch.actions import watcher as watchers
+from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.tree import is_gone, proc_stat
 from trainwatch.config import Job
 
@@ -200,7 +201,7 @@ def test_watcher_is_stood_down_at_close_and_reaped_by_us(
         assert watcher is not None and not is_gone(watcher)
         _end(a)
         assert a.watcher_pid is None
-        wait_for(lambda: (reap_watchers(), proc_stat(watcher) is None)[1], timeout=10,
+        wait_for(lambda: (watchers.reap(), proc_stat(watcher) is None)[1], timeout=10,
                  what="the watcher to exit and be reaped")
         assert bystander.poll() is None
     finally:
