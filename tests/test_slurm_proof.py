@@ -371,8 +371,11 @@ def test_each_tasks_child_proves_its_true_claim_on_its_own_node_only(
         assert stat is not None
         r = prove(peer.claim, peer.cred.pid, peer.cred.uid, node, slurm=slurm)
         assert r.outcome is Outcome.OK, r
+        task = read_stat(stat.ppid)
+        assert task is not None
         assert r.value == Proven(job.id, 0, peer.claim.rank, node, peer.cred.pid, 0,
-                                 stat.ppid, 0, restarts=0)
+                                 stat.ppid, 0, restarts=0, start=stat.start,
+                                 task_start=task.start)
         ranks[node] = peer.claim.rank
         other = "n2" if node == "n1" else "n1"
         refused("process", peer.claim, peer, other, slurm)

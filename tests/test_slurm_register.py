@@ -46,6 +46,7 @@ class Prover:
         self.outcome = Outcome.OK
         self.message = ""
         self.error: Exception | None = None
+        self.start_of: Callable[[int], int | None] = tree.start_time
         self._lock = threading.Lock()
 
     def __call__(self, claim: Claim, pid: int, uid: int, node: str) -> Result[Proven]:
@@ -56,10 +57,11 @@ class Prover:
             raise self.error
         if self.outcome is not Outcome.OK:
             return Result(self.outcome, self.message)
+        start = self.start_of(pid) or 0  # the proof's own read, as the kernel says now
         return Result(Outcome.OK, f"pid {pid} is rank {claim.rank}",
                       value=Proven(claim.job, claim.step, claim.rank, node, pid, uid,
                                    task_pid=pid - 1 if pid > 2 else pid, local_id=0,
-                                   restarts=2))
+                                   restarts=2, start=start, task_start=start))
 
     def count(self) -> int:
         with self._lock:
@@ -97,6 +99,7 @@ def reg(prove: Prover, clock: Clock, shift: list[int]) -> Iterator[Registry]:
         start = tree.start_time(pid)
         return None if start is None else start + shift[0]
 
+    prove.start_of = start_time
     r = Registry(NODE, prove, clock=clock, start_time=start_time)
     try:
         yield r
@@ -132,7 +135,9 @@ def test_a_claim_is_pending_until_its_proof_is_in_then_proven_with_the_proofs_fi
     reply = settled(reg, ARGS, me())
     assert reply == {"proven": True, "pending": False, "job": 42, "step": 0, "rank": 3,
                      "node": NODE, "pid": os.getpid(), "uid": os.getuid(),
-                     "task_pid": os.getpid() - 1, "local_id": 0, "restarts": 2}
+                     "task_pid": os.getpid() - 1, "local_id": 0, "restarts": 2,
+                     "start": tree.start_time(os.getpid()),
+                     "task_start": tree.start_time(os.getpid())}
     assert reg.answer(ARGS, me()) == reply
     assert prove.count() == 1
     assert reg.counts == {"proven": 1, "refused": 0, "failed": 0, "capped": 0, "cached": 1}
@@ -211,31 +216,36 @@ def test_parse_claim_ignores_the_optional_keys() -> None:
                         "checkpoints_dir": "/ckpt"}) == Claim(42, 0, 3)
 
 
-def test_a_uid_has_at_most_eight_pending_claims_then_refused(
+def test_a_uid_over_its_pending_claims_is_told_to_ask_again(
         reg: Registry, prove: Prover) -> None:
-    """The 9th pending claim of one uid is refused and counted; another uid is not
+    """The claim past PENDING_PER_UID of one uid is not taken but answered as a failure
+    (asked again later: a node's later ranks must get in), counted; another uid is not
     held up; once the proofs are in, the uid may claim again."""
-    for rank in range(register.PENDING_PER_UID):
+    n = register.PENDING_PER_UID
+    for rank in range(n):
         assert reg.answer({**ARGS, "rank": rank}, me())["pending"] is True
-    with pytest.raises(Refused, match=r"^too many pending claims \(8 of uid "):
-        reg.answer({**ARGS, "rank": 8}, me())
+    capped = reg.answer({**ARGS, "rank": n}, me())
+    assert capped["pending"] is False and capped["proven"] is False and capped["retry"] > 0
+    assert capped["error"].startswith(f"attach: too many pending claims ({n} of uid ")
     assert reg.answer(ARGS, me())["pending"] is True  # already pending: not a new one
-    assert reg.answer({**ARGS, "rank": 8}, me(uid=4242))["pending"] is True
+    assert reg.answer({**ARGS, "rank": n}, me(uid=4242))["pending"] is True
     assert reg.counts["capped"] == 1
     prove.gate.set()
     until(lambda: reg.pending() == 0, "the proofs are in")
-    assert reg.answer({**ARGS, "rank": 9}, me())["pending"] is True
+    assert reg.answer({**ARGS, "rank": n + 1}, me())["pending"] is True
 
 
 def test_at_most_sixty_four_claims_are_pending_in_all(reg: Registry, prove: Prover) -> None:
-    """Eight uids with eight pending claims each fill the registry: a ninth uid's
-    first claim is refused."""
+    """Uids with claims pending fill the registry at PENDING_MAX: one more uid's first
+    claim is told to ask again."""
+    per = register.PENDING_MAX // 8
     for uid in range(5000, 5008):
-        for rank in range(8):
+        for rank in range(per):
             assert reg.answer({**ARGS, "rank": rank}, me(uid))["pending"] is True
     assert reg.pending() == register.PENDING_MAX
-    with pytest.raises(Refused, match=r"^too many pending claims \(64 in all"):
-        reg.answer(ARGS, me(uid=6000))
+    capped = reg.answer(ARGS, me(uid=6000))
+    assert capped["pending"] is False
+    assert capped["error"].startswith("attach: too many pending claims (64 in all")
     assert reg.counts["capped"] == 1
 
 

@@ -132,16 +132,44 @@ def test_signals_are_never_sent(spawn: Callable[[], Task]) -> None:
 
 def test_a_pid_with_another_start_time_is_no_member(
         spawn: Callable[[], Task]) -> None:
-    """A task recorded with a start time its pid does not have (pid reuse) is
-    never taken in: neither it nor its descendants are members."""
-    a = spawn()
-    tree = StepTree("slurm-7", [(a.pid, a.start + 1)])
-    assert tree.tasks == {}
-    assert tree.scan() == set()
+    """A task recorded with a start time its pid does not have (pid reuse) is never
+    taken in, nor made the leader; a step with no task left is refused."""
+    a, b = spawn(), spawn()
+    tree = StepTree("slurm-7", [(a.pid, a.start + 1), (b.pid, b.start)])
+    assert tree.tasks == {b.pid: b.start} and tree.leader == b.pid
+    assert tree.scan() == b.members
     assert not tree.owns(a.pid, USER) and not tree.owns(a.grandchild, USER)
-    assert tree.tasks_gone()
     assert not tree.add(a.pid, a.start - 1)
-    assert tree.tasks == {}
+    assert tree.tasks == {b.pid: b.start}
+    with pytest.raises(ValueError, match="no task"):
+        StepTree("slurm-7", [(a.pid, a.start + 1)])
+
+
+def test_an_exited_task_is_not_taken_in(spawn: Callable[[], Task]) -> None:
+    """A task that has exited (a zombie not yet reaped, its start time still right)
+    is not added."""
+    a, b = spawn(), spawn()
+    tree = StepTree("slurm-7", [(a.pid, a.start)])
+    b.proc.kill()
+    wait_for(lambda: (proc_stat(b.pid) or ("Z",))[0] == "Z", what="the task's zombie")
+    assert not tree.add(b.pid, b.start)
+    assert b.pid not in tree.tasks
+
+
+def test_a_process_orphaned_when_its_task_ended_is_no_longer_believed(
+        spawn: Callable[[], Task]) -> None:
+    """Its grandchild is believed while the task runs; once the task and its child
+    are killed (the grandchild goes to a subreaper or init), it is not."""
+    a = spawn()
+    tree = StepTree("slurm-7", [(a.pid, a.start)])
+    assert tree.owns(a.grandchild, USER)
+    os.kill(a.child, signal.SIGKILL)
+    a.proc.kill()
+    a.proc.wait()
+    wait_for(lambda: (proc_stat(a.grandchild) or ("", 0))[1] != a.child,
+             what="the grandchild to be reparented")
+    assert proc_stat(a.grandchild) is not None  # still running
+    assert not tree.owns(a.grandchild, USER)
 
 
 def test_add_takes_in_a_later_task(spawn: Callable[[], Task]) -> None:

@@ -73,7 +73,10 @@ class Proven:
     global id ``rank`` (pid ``task_pid``, local id ``local_id``) of the job's step
     ``step`` on ``node``. ``restarts`` is the job's ``Restarts=`` as the proof read
     it: how many times Slurm had requeued it (the run the peer belongs to, counted
-    from 0, which every node agrees on)."""
+    from 0, which every node agrees on). ``start`` and ``task_start`` are the peer's
+    and the task's start times as the proof saw them (``/proc/<pid>/stat`` field
+    22): whoever acts on the proof later takes these pids only with these start
+    times, never from a fresh read (a pid may be a stranger's by then)."""
 
     job: int
     step: int
@@ -84,6 +87,8 @@ class Proven:
     task_pid: int
     local_id: int | None
     restarts: int
+    start: int
+    task_start: int
 
 
 @dataclass(frozen=True)
@@ -254,7 +259,8 @@ def prove(claim: Claim, peer_pid: int, peer_uid: int, node: str, *,
     return Result(Outcome.OK, f"pid {peer_pid} is rank {task.global_id} of job "
                   f"{claim.job} step {claim.step} on {node}",
                   value=Proven(claim.job, claim.step, claim.rank, node, peer_pid, peer_uid,
-                               task.pid, task.local_id, info.restarts))
+                               task.pid, task.local_id, info.restarts, before[0].start,
+                               next(s.start for s in before if s.pid == task.pid)))
 
 
 def _bad_id(name: str, value: object, least: int) -> str | None:

@@ -20,10 +20,10 @@ pool of threads the registry owns and is answered ``{"pending": True, "retry":
 A request is keyed by the peer's pid, its start time (``/proc/<pid>/stat``: a
 pid taken by a new process is another key, so it never gets the old process's
 answer), its uid and the claim. Bounds: at most ``PENDING_MAX`` proofs pending
-in all and ``PENDING_PER_UID`` per uid (over them: ``Refused("too many
-pending claims ...")``); answers cached ``TTL`` seconds, at most ``CACHE_MAX``
-of them, expired ones dropped on each request. Each kind of answer is counted in
-``counts`` and the first of each kind is logged.
+in all and ``PENDING_PER_UID`` per uid (over them: a failure's reply, "too many
+pending claims", so that the client asks again); answers cached ``TTL``
+seconds, at most ``CACHE_MAX`` of them, expired ones dropped on each request.
+Each kind of answer is counted in ``counts`` and the first of each kind is logged.
 
 Not thread-safe: ``answer`` and ``close`` run on the daemon's loop; the pool's
 threads run only ``prove`` and read ``/proc``.
@@ -48,7 +48,7 @@ from trainwatch.slurm.proof import Claim, Proven
 log = logging.getLogger("trainwatch")
 
 PENDING_MAX = 64  # proofs pending at once, in all
-PENDING_PER_UID = 8  # proofs pending at once for one uid
+PENDING_PER_UID = 32  # proofs pending at once for one uid (16 ranks a node, two jobs)
 TTL = 30.0  # seconds a proven or refused answer is kept
 CACHE_MAX = 1024  # answers kept; the oldest are dropped past it
 RETRY = 0.2  # seconds the client waits before it asks again for a pending proof
@@ -131,8 +131,8 @@ class Registry:
                 if told:
                     self.counts["cached"] += 1
             return self._reply(result)
-        if key not in self._pending:
-            self._submit(key, peer)
+        if key not in self._pending and (capped := self._submit(key, peer)) is not None:
+            return capped
         return {"pending": True, "retry": RETRY}
 
     def pending(self) -> int:
@@ -149,16 +149,18 @@ class Registry:
 
     # --- the loop's side ------------------------------------------------------
 
-    def _submit(self, key: Key, peer: Peer) -> None:
+    def _submit(self, key: Key, peer: Peer) -> dict[str, Any] | None:
         mine = sum(1 for k in self._pending if k[2] == peer.uid)
         if len(self._pending) >= PENDING_MAX or mine >= PENDING_PER_UID:
             limit = (f"{PENDING_MAX} in all" if len(self._pending) >= PENDING_MAX
                      else f"{PENDING_PER_UID} of uid {peer.uid}")
             self._count("capped", logging.WARNING, "claim of pid %d (%s) not taken: %s "
                         "pending already", peer.pid, peer, limit)
-            raise Refused(f"too many pending claims ({limit} already); try again "
-                          "later")
+            # Not a "no": the client asks again, and a node's later ranks get in.
+            return {"proven": False, "pending": False, "retry": FAILED_RETRY,
+                    "error": f"attach: too many pending claims ({limit} already)"}
         self._pending[key] = self._pool.submit(self._prove, key)
+        return None
 
     def _collect(self, now: float) -> None:
         """Drop expired answers; take in finished proofs (counted once each, asked
@@ -221,7 +223,8 @@ class Registry:
             return Result(Outcome.FAILED, f"claim: the proof raised {type(e).__name__}: {e}")
         if result.outcome is Outcome.OK and result.value is None:
             return Result(Outcome.FAILED, "claim: the proof held but gave no Proven")
-        if result.outcome is Outcome.OK and self.start_time(pid) != start:
+        if result.outcome is Outcome.OK and result.value is not None \
+                and (result.value.start != start or self.start_time(pid) != start):
             return Result(Outcome.REFUSED, f"peer: pid {pid} exited or was replaced while "
                           "its claim was checked")
         return result

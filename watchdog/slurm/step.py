@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from trainwatch.actions.tree import JobTree, proc_stat
 from trainwatch.slurm.proof import Stat, lineage, read_stat
 
-_ENDED = ("Z", "X")  # /proc/<pid>/stat states of a process that has exited
+_ENDED = frozenset("ZXx")  # /proc/<pid>/stat states of a process that has exited
 
 
 def _live_processes(proc: str = "/proc") -> dict[int, Stat]:
@@ -72,6 +72,9 @@ class StepTree(JobTree):
         self.awaiting = False
         for pid, started in given:
             self.add(pid, started)
+        if not self._tasks:
+            raise ValueError(f"no task of job {job}'s step is still the process proven")
+        self.leader = next(iter(self._tasks))  # a task taken in, never a refused pid
 
     # --- the tasks ----------------------------------------------------------------
 
@@ -82,8 +85,8 @@ class StepTree(JobTree):
         if self.closed or pid <= 1:
             return False
         st = proc_stat(pid)
-        if st is None or st[2] != start:
-            return False
+        if st is None or st[2] != start or st[0] in _ENDED:
+            return False  # gone, a stranger's, or exited (a zombie not yet reaped)
         self._tasks[pid] = start
         return True
 
@@ -144,19 +147,13 @@ class StepTree(JobTree):
             return True
         if self.closed:
             return False
-        want = self._believed.get(pid)
-        if want is not None:
-            now = read_stat(pid)
-            if now is not None and now.start == want:
-                return True
-            del self._believed[pid]
+        # Walked each time, no verdict kept here (the heartbeat socket keeps its own
+        # for a second): a process orphaned when its task ended is no member, and
+        # a job forking many short-lived processes grows nothing. Each ancestor is
+        # judged by the start time read in this same walk: a task's pid taken by a
+        # stranger meanwhile does not match.
         chain = lineage(pid, read_stat)
-        # Each ancestor is judged by the start time read in this same walk: a task's
-        # pid taken by a stranger meanwhile does not match.
-        if not chain or not any(self._tasks.get(s.pid) == s.start for s in chain):
-            return False
-        self._believed[pid] = chain[0].start
-        return True
+        return bool(chain) and any(self._tasks.get(s.pid) == s.start for s in chain)
 
     # --- acting on it: never ------------------------------------------------------
 
