@@ -161,12 +161,16 @@ def test_the_nearest_listed_task_of_a_numbered_step_proves_step_and_rank(
     ("PENDING", 1000, 1000, "state"),
     ("COMPLETING", 1000, 1000, "state"),
     ("SUSPENDED", 1000, 1000, "state"),
+    ("PENDING", 1000, 1001, "owner"),  # a stranger is not told the state
 ])
 def test_only_a_running_job_of_the_peers_own_uid_may_be_claimed(
         state: str, owner: int, peer_uid: int, check: str | None) -> None:
-    """The job must be RUNNING and its owner's uid the peer's, root's included."""
+    """The job must be its owner's uid the peer's, root's included, and RUNNING; a
+    stranger's refusal names neither the owner nor the state."""
     got = judge_job(CLAIM, JobInfo(7, state, 0), owner, peer_uid)
     assert (got.check if got else None) == check
+    if check == "owner":
+        assert got is not None and str(owner) not in got.why and state not in got.why
 
 
 SHOW_JOB = ("JobId=7 JobName=train UserId=alice(1000) GroupId=alice(1000) MCS_label=N/A "
@@ -413,7 +417,7 @@ def test_a_process_of_another_uid_under_the_task_is_refused(job: Job, slurm: Slu
         peer = job.peer("nobody", node)
         assert peer.cred.uid == 65534
         assert peer.claim == job.peer("task", node).claim
-        assert "is uid 0's and the peer is uid 65534" in refused(
+        assert "is not uid 65534's" in refused(
             "owner", peer.claim, peer, node, slurm)
 
 

@@ -182,13 +182,15 @@ def bad_claim(claim: object) -> str | None:
 
 
 def judge_job(claim: Claim, info: JobInfo, owner: int, peer_uid: int) -> Refusal | None:
-    """Whether the job may be claimed by a peer of `peer_uid`: it runs, and is the
-    peer's own (root's peer too)."""
+    """Whether the job may be claimed by a peer of `peer_uid`: it is the peer's own
+    (root's peer too), and runs. The owner first, and a stranger is told neither
+    the owner nor the state: root's scontrol must not read other users' jobs for
+    them (Slurm's PrivateData=jobs)."""
+    if owner != peer_uid:
+        return Refusal("owner", f"job {claim.job} is not uid {peer_uid}'s (a peer proves "
+                       "only its own uid's jobs, root's too)")
     if info.state != "RUNNING":
         return Refusal("state", f"job {claim.job} is {info.state}, not RUNNING")
-    if owner != peer_uid:
-        return Refusal("owner", f"job {claim.job} is uid {owner}'s and the peer is uid "
-                       f"{peer_uid} (a peer proves only its own uid's jobs, root's too)")
     return None
 
 
