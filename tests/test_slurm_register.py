@@ -249,6 +249,24 @@ def test_at_most_sixty_four_claims_are_pending_in_all(reg: Registry, prove: Prov
     assert reg.counts["capped"] == 1
 
 
+def test_one_uids_flood_of_claims_pushes_out_only_its_own_answers(
+        reg: Registry, prove: Prover) -> None:
+    """Another uid's proven answer, not yet read, outlives one uid's many finished
+    claims: a uid keeps at most CACHE_PER_UID answers, its oldest dropped first."""
+    prove.gate.set()
+    reg.answer(ARGS, me(uid=8000))
+    until(lambda: reg.pending() == 0, "the other uid's proof is in")
+    n = register.CACHE_PER_UID + 10
+    for rank in range(n):
+        reg.answer({**ARGS, "rank": rank}, me(uid=8001))
+        until(lambda: reg.pending() == 0, "the proof is in")
+    reg.answer({**ARGS, "rank": n}, me(uid=8001))  # takes in the last one
+    until(lambda: reg.pending() == 0, "the proof is in")
+    assert reg.answer(ARGS, me(uid=8000))["proven"] is True
+    assert prove.count() == n + 2  # the other uid's answer came from the cache
+    assert reg.answer({**ARGS, "rank": 0}, me(uid=8001))["pending"] is True  # dropped
+
+
 def test_a_cached_answer_expires_after_30_s(reg: Registry, prove: Prover,
                                             clock: Clock) -> None:
     """A proven answer is given from the cache for 30 s after it came in; then the
@@ -330,7 +348,10 @@ def test_close_returns_promptly_while_a_proof_is_blocked(prove: Prover) -> None:
     finally:
         prove.gate.set()
         reg.close()
-    time.sleep(0.2)  # room for a wrongly queued proof to start (none may)
+    for t in reg._threads:  # every worker has ended: a queued proof would have run first
+        assert t.daemon  # never joined at exit: a proof stuck in scontrol holds nothing
+        t.join(WAIT)
+        assert not t.is_alive()
     assert prove.count() == 2
 
 

@@ -22,7 +22,8 @@ pid taken by a new process is another key, so it never gets the old process's
 answer), its uid and the claim. Bounds: at most ``PENDING_MAX`` proofs pending
 in all and ``PENDING_PER_UID`` per uid (over them: a failure's reply, "too many
 pending claims", so that the client asks again); answers cached ``TTL``
-seconds, at most ``CACHE_MAX`` of them, expired ones dropped on each request.
+seconds, at most ``CACHE_MAX`` of them and ``CACHE_PER_UID`` of one uid's (a
+uid's flood of claims pushes out only its own), expired ones dropped on each request.
 Each kind of answer is counted in ``counts`` and the first of each kind is logged.
 
 Not thread-safe: ``answer`` and ``close`` run on the daemon's loop; the pool's
@@ -34,9 +35,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from trainwatch.actions import tree
@@ -51,6 +54,7 @@ PENDING_MAX = 64  # proofs pending at once, in all
 PENDING_PER_UID = 32  # proofs pending at once for one uid (16 ranks a node, two jobs)
 TTL = 30.0  # seconds a proven or refused answer is kept
 CACHE_MAX = 1024  # answers kept; the oldest are dropped past it
+CACHE_PER_UID = 64  # answers kept for one uid; its oldest are dropped past it
 RETRY = 0.2  # seconds the client waits before it asks again for a pending proof
 FAILED_RETRY = 1.0  # seconds the client waits before it asks again after a failure
 FIELDS = ("job", "step", "rank")  # of a claim: SLURM_JOB_ID, SLURM_STEP_ID, SLURM_PROCID
@@ -60,8 +64,8 @@ Prove = Callable[[Claim, int, int, str], Result[Proven]]
 """proof.prove with its Slurm bound: (claim, peer pid, peer uid, node) -> Result."""
 Key = tuple[int, int, int, Claim]  # the peer's pid, start time and uid, and its claim
 
-__all__ = ["CACHE_MAX", "KINDS", "PENDING_MAX", "PENDING_PER_UID", "TTL", "Prove",
-           "Registry", "parse_claim", "prover"]
+__all__ = ["CACHE_MAX", "CACHE_PER_UID", "KINDS", "PENDING_MAX", "PENDING_PER_UID", "TTL",
+           "Prove", "Registry", "parse_claim", "prover"]
 
 
 def prover(slurm: Slurm = actions.DEFAULT, proc: str = "/proc") -> Prove:
@@ -99,8 +103,14 @@ class Registry:
         self.clock = clock
         self.start_time = start_time
         self.counts: dict[str, int] = dict.fromkeys(KINDS, 0)
-        self._pool = ThreadPoolExecutor(max_workers=workers,
-                                        thread_name_prefix="trainwatch-attach")
+        # Daemon threads over a queue, not a ThreadPoolExecutor: its threads are
+        # joined at exit, and a proof stuck in scontrol would hold the daemon's.
+        self._queue: queue.SimpleQueue[tuple[Key, Future[Result[Proven]]] | None] = (
+            queue.SimpleQueue())
+        self._threads = [threading.Thread(target=self._work, name="trainwatch-attach",
+                                          daemon=True) for _ in range(workers)]
+        for t in self._threads:
+            t.start()
         self._pending: dict[Key, Future[Result[Proven]]] = {}
         # Finished proofs: (expiry, result, told already), oldest first.
         self._answers: dict[Key, tuple[float, Result[Proven], bool]] = {}
@@ -143,7 +153,10 @@ class Registry:
         """Stop taking requests; queued proofs are cancelled, running ones are not
         waited for (each ends within its Slurm deadlines)."""
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for future in self._pending.values():
+            future.cancel()  # a queued one never starts; a running one ends on its own
+        for _ in self._threads:
+            self._queue.put(None)
         self._pending.clear()
         self._answers.clear()
 
@@ -159,7 +172,9 @@ class Registry:
             # Not a "no": the client asks again, and a node's later ranks get in.
             return {"proven": False, "pending": False, "retry": FAILED_RETRY,
                     "error": f"attach: too many pending claims ({limit} already)"}
-        self._pending[key] = self._pool.submit(self._prove, key)
+        future: Future[Result[Proven]] = Future()
+        self._pending[key] = future
+        self._queue.put((key, future))
         return None
 
     def _collect(self, now: float) -> None:
@@ -175,6 +190,9 @@ class Registry:
                 continue
             del self._pending[key]
             result = self._settle(key, future)
+            mine = [k for k in self._answers if k[2] == key[2]]
+            if len(mine) >= CACHE_PER_UID:  # one uid's many claims push out only its own
+                del self._answers[mine[0]]
             self._answers[key] = (now + TTL, result, False)
         while len(self._answers) > CACHE_MAX:
             del self._answers[next(iter(self._answers))]
@@ -210,6 +228,12 @@ class Registry:
                     "not logged)", *args, kind)
 
     # --- the pool's side ------------------------------------------------------
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, future = item
+            if future.set_running_or_notify_cancel():  # False: cancelled by close()
+                future.set_result(self._prove(key))
 
     def _prove(self, key: Key) -> Result[Proven]:
         """Runs in the pool: the proof of one request, refused if the peer's pid
