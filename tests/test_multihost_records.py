@@ -204,3 +204,21 @@ def test_a_plain_name_is_a_scope(scope: str) -> None:
     """Letters, digits, '.', '_', '-', one to 64, not a dot first."""
     assert records.bad_scope(scope) is None
     assert records.folder("/ck", scope) == f"/ck/{records.FOLDER}/{scope}"
+
+
+def test_a_temporary_name_another_host_holds_neither_fails_nor_clobbers_a_write(
+        tmp_path: Path) -> None:
+    """The folder is shared by every host, and two hosts' hands may have the same pid:
+    a temporary file another host is writing under the name ours would have had (here
+    a folder, so that a write into it would fail) is left alone, and the record and the
+    tracker are written whole."""
+    root = str(tmp_path)
+    base = tmp_path / records.FOLDER
+    base.mkdir()
+    theirs = base / f".{records.TRACKER}.{os.getpid()}.tmp"
+    theirs.mkdir()
+    got = records.begin_in_hand(root, 1, "hA", _decision(30), None)
+    assert got["won"] is True
+    assert (base / records.TRACKER).read_text() == "/ck/step_30\n"
+    assert theirs.is_dir() and not any(theirs.iterdir())
+    assert [p.name for p in base.iterdir() if p.name.endswith(".tmp")] == [theirs.name]

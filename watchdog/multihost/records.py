@@ -26,12 +26,14 @@ anything a user wrote (``parse``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import re
 import stat
+import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,17 +81,24 @@ def folder(root: str, scope: str | None = None) -> str:
 
 
 def _write(d: str, name: str, body: dict[str, Any] | str) -> None:
-    """Atomically: a temporary file renamed over the name, fsynced."""
-    tmp = os.path.join(d, f".{name}.{os.getpid()}.tmp")
+    """Atomically: a temporary file renamed over the name, fsynced. The temporary
+    name is a fresh one (mkstemp, O_EXCL): the folder is shared by every host, and
+    two hosts' hands may have the same pid."""
     data = (body if isinstance(body, str)
             else json.dumps(body, separators=(",", ":"), sort_keys=True)).encode()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=d)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(d, name))
+        try:
+            os.fchmod(fd, 0o644)
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(d, name))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _read(path: str) -> dict[str, Any] | None:
