@@ -360,7 +360,7 @@ def test_a_job_outlives_a_sigkilled_daemon_and_is_adopted_by_the_next(host: Host
     [inc] = host.incidents()
     assert (inc["kind"], inc["attempt"], inc["action"]) == ("crash", attempt, "restart"), inc
     assert json.loads(inc["evidence"])["exit_code"] == 3, inc
-    assert inc["resumed_step"] == newest, inc
+    assert inc["resumed_step"] == newest, (dict(inc), s)
     relaunched = Path(s["log"])
     assert relaunched != log and relaunched.name.startswith(f"attempt-{attempt + 1}-")
     ckpt = host.job_dir("a") / "ckpt" / f"step_{newest}"

@@ -150,8 +150,6 @@ def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
     where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
     if a.gpus is not None:
         where += f", GPUs {','.join(map(str, a.gpus))}"
-    r.to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
-    attemptfiles.sweep(os.path.dirname(r.socket_path), a.log_path, r.job.name, a.number)
     if r.pending_incident is not None:
         # The faulted attempt reached `reached`; this one starts over at cp. A job
         # that has never beaten has told nothing of its steps: unknown, not 0.
@@ -169,3 +167,7 @@ def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
             Relaunch(a.started_wall, a.resume_from, a.resumed_step, lost),
         )
         r.pending_incident = None
+    # Published last: whoever sees the new attempt in the status finds its incident
+    # already says where it resumed (a test read it in between, under load).
+    r.to(JobState.STARTING, f"{reason}: attempt {a.number}, pid {a.pid}, {where}")
+    attemptfiles.sweep(os.path.dirname(r.socket_path), a.log_path, r.job.name, a.number)
