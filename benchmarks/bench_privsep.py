@@ -102,6 +102,7 @@ from bench_verify import FILES, TOTAL, drop_cache, resident, write_checkpoint
 from trainwatch.actions import credentials
 from trainwatch.actions.credentials import Identity
 from trainwatch.config import Checkpoints
+from trainwatch.privsep import child
 from trainwatch.privsep.hand import Hand
 from trainwatch.sources import ring
 from trainwatch.state.checkpointlayout import make_layout
@@ -332,17 +333,15 @@ def mem(pid: int) -> dict[str, float]:
 
 
 def hands_of(daemon: int) -> dict[int, int]:
-    """{pid: uid} of the daemon's hands: its children with its own command line."""
-    try:
-        cmd = Path(f"/proc/{daemon}/cmdline").read_bytes()
-    except OSError:
-        return {}
+    """{pid: uid} of the daemon's hands: its children named as hands (not a keeper
+    between its fork and its exec, which has the daemon's command line)."""
     out = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(proc_stat(int(p.name))[1]) == daemon and (p / "cmdline").read_bytes() == cmd:
+            if int(proc_stat(int(p.name))[1]) == daemon \
+                    and (p / "comm").read_bytes().rstrip(b"\n") == child.NAME:
                 out[int(p.name)] = proc_uid(int(p.name))
     return out
 

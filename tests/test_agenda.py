@@ -95,3 +95,28 @@ def test_a_job_selector_leaves_data_that_is_not_a_callback_as_it_is() -> None:
         os.close(r)
         os.close(w)
         sel.close()
+
+
+def test_a_dropped_job_leaves_nothing_registered_so_its_fd_number_can_be_used_again() -> None:
+    """A job removed by a reload releases its attempt (its pidfd closed, the job left
+    running): the next descriptor given that number, another job's new pidfd, must
+    register. A loaded daemon failed there, half-way through a launch, and started
+    a second copy of the job at its next try."""
+    sel = selectors.DefaultSelector()
+    agenda = Agenda(sel)
+    a, b = _job(agenda), _job(agenda)
+    r, w = os.pipe()
+    b.sel.register(r, selectors.EVENT_READ, lambda fd: None)
+    os.close(r)  # released: closed without being unregistered
+    agenda.discard(b)
+    again, w2 = os.pipe()
+    try:
+        assert again == r  # the lowest free number: the one just closed
+        a.sel.register(again, selectors.EVENT_READ, lambda fd: None)
+        assert sel.get_map()[again].fd == again
+        a.sel.unregister(again)
+        assert not a.sel.fds  # forgotten once unregistered
+    finally:
+        for fd in (w, again, w2):
+            os.close(fd)
+        sel.close()

@@ -304,8 +304,14 @@ def started(h: Host, d: Daemon, job: str, min_step: int = 5, timeout: float = 60
                  what=f"job {job} running at step >= {min_step} {want or ''}")
     except AssertionError as e:
         raise AssertionError(f"{e}; status {h.status(job)}; daemon alive {d.alive()}:\n"
-                             f"{d.output()[-3000:]}") from None
+                             f"{_story(d.output())}") from None
     return h.status(job)
+
+
+def _story(output: str, size: int = 6000) -> str:
+    """The daemon's output without its stream of checkpoint lines, the end of it."""
+    keep = [x for x in output.splitlines() if not re.search(r"checkpoint step \d+ complete", x)]
+    return "\n".join(keep)[-size:]
 
 
 def log_grows(log: Path, timeout: float = 20.0) -> int:

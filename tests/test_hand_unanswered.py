@@ -8,9 +8,18 @@ from __future__ import annotations
 import re
 import threading
 import time
+from pathlib import Path
 
 import psutil
 from conftest import Workspace, finish, wait_for
+from trainwatch.privsep import child
+
+
+def _comm(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/comm").read_bytes().rstrip(b"\n")
+    except OSError:
+        return b""
 
 
 def _newest(ws: Workspace) -> int:
@@ -20,7 +29,9 @@ def _newest(ws: Workspace) -> int:
 
 class _Stopper:
     """Keeps every hand of trainwatch `pid` stopped (SIGSTOP) until released: its
-    hands are its forks, with its own command line (a keeper's differs)."""
+    hands are the children named so (privsep/child.py). Not by command line: a
+    keeper has trainwatch's until its exec, and stopped there it held trainwatch
+    in posix_spawn (a loaded run)."""
 
     def __init__(self, pid: int) -> None:
         self.me, self.done = psutil.Process(pid), threading.Event()
@@ -29,11 +40,10 @@ class _Stopper:
         self.thread.start()
 
     def _loop(self) -> None:
-        argv = self.me.cmdline()
         while not self.done.is_set():
             for c in self.me.children():
                 try:
-                    if c.pid not in self.stopped and c.cmdline() == argv:
+                    if c.pid not in self.stopped and _comm(c.pid) == child.NAME:
                         c.suspend()
                         self.stopped.add(c.pid)
                 except psutil.Error:
@@ -57,7 +67,13 @@ def test_a_relaunch_waits_for_its_checkpoints_to_be_judged_rather_than_start_ove
     p = ws.run(cfg)
     stopper = _Stopper(p.pid)  # from the start: no checkpoint of this job is ever judged
     try:
-        wait_for(lambda: _newest(ws) >= 30, timeout=90, what="step 30")
+        try:
+            wait_for(lambda: _newest(ws) >= 30, timeout=90, what="step 30")
+        except AssertionError as e:
+            stopper.release()
+            p.terminate()
+            raise AssertionError(f"{e}; status {ws.status()}; trainwatch said:\n"
+                                 f"{finish(p, timeout=60)[1][-4000:]}") from None
         # The loop waits out each stopped hand's deadline (5 s): its status may come late.
         wait_for(lambda: ws.status().get("state") == "running", timeout=90,
                  what="the job's status")

@@ -6,6 +6,7 @@ read, and the attempt's ring folder lives exactly as long as the attempt."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -128,3 +129,35 @@ def test_without_a_ring_folder_beats_come_as_datagrams(ws: Workspace) -> None:
     assert st["step"] == 201, st
     assert st["datagrams"]["received"] >= 2 * 2, st["datagrams"]  # first and last of each
     assert "beats come as datagrams" in out, out
+
+
+def test_a_ring_first_read_after_its_writer_exited_still_counts(ws: Workspace) -> None:
+    """A loaded loop may first look at a rank after the rank is gone: its beats
+    (the datagram that announces its ring, then the ring) are still the job's.
+    Here trainwatch is stopped (SIGSTOP) while the job beats 20 times and exits."""
+    script = ws.root / "late.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, sys, time
+        from trainwatch import client
+        while not os.path.exists(sys.argv[1]):
+            time.sleep(0.02)
+        hb = client.connect()
+        for step in range(1, 21):
+            hb.beat(step, loss=1.0 / step)
+        """))
+    go = ws.root / "go"
+    p = ws.run(ws.config({"command": [sys.executable, str(script), str(go)],
+                          "heartbeat": {"timeout": "60s"}}))
+    pid = wait_for(lambda: ws.status().get("pid"), timeout=30, what="the job's pid")
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        go.touch()
+        wait_for(lambda: not Path(f"/proc/{pid}").exists(), timeout=30, what="the job to end")
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    code, out = finish(p)
+    assert code == 0, out
+    st = ws.status()
+    assert (st["state"], st["step"]) == ("exited", 20), (st, out[-2000:])
+    assert (st["rings"]["read"], st["rings"]["refused"]) == (1, 0), st["rings"]

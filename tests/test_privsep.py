@@ -115,6 +115,20 @@ def test_the_hand_holds_none_of_roots_descriptors_or_environment(
     assert "AWS_SECRET_ACCESS_KEY" not in env and env["AWS_PROFILE"] == "job's"
 
 
+def _comm() -> str:
+    return Path("/proc/self/comm").read_text().strip()
+
+
+def test_a_hand_is_named_as_one_in_ps_not_as_another_daemon() -> None:
+    """Its argv is the daemon's (a fork): its name (comm, what ps and top show
+    and a test or an operator can tell it by) says what it is."""
+    hand = Hand("t", _user())
+    try:
+        assert hand.call(_comm, timeout=30) == "trainwatch-hand"
+    finally:
+        hand.close()
+
+
 def test_a_read_that_blocks_is_killed_at_its_deadline_and_the_hand_cools_down(
         open_tmp: Path) -> None:
     """A FIFO opened for reading blocks forever: the call ends at its deadline, the

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import selectors
+import signal
 import statistics
 from collections.abc import Mapping
 from dataclasses import replace
@@ -118,18 +119,31 @@ def launch(r: Runner, reason: str) -> None:
         log.error("job %s: %s", r.job.name, what)
         r.to(JobState.FATAL, what)
         return
-    begin_attempt(r, a, cp, reason)
+    try:
+        begin_attempt(r, a, cp, reason)
+    except BaseException:
+        # Never an attempt left running unwatched: the next relaunch would start
+        # a second copy of the job beside it (a loaded run did, writing the same
+        # checkpoints twice).
+        log.error("job %s: attempt %d could not be watched: killed", r.job.name, a.number)
+        a.tree.signal(signal.SIGKILL, a.tree.scan())
+        if a.pidfd is not None and a.pidfd in r.sel.get_map():
+            r.sel.unregister(a.pidfd)
+        a.close()
+        raise
 
 
 def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
     """Make ``a``, started from ``cp`` (None: fresh), the runner's attempt: its
     ranks, beats and exits watched from now, STARTING, and the relaunch after a
     fault (time to relaunch, steps lost) in the ledger and the metrics."""
-    if cp is not None:
-        r.catalog.used_by(cp.step, r.number)
+    if a.pidfd is not None:  # first: should it fail, the runner has not changed
+        r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
     if r.attempt is not None:
         r.output_dropped_before += r.attempt.dropped
-    r.attempt = a
+    r.attempt = a  # from here its exit is watched, whatever fails below
+    if cp is not None:
+        r.catalog.used_by(cp.step, r.number)
     r.restarts += 1 if r.number > 0 else 0
     r.outages.started(a.started)
     intervals = r.ranks.intervals  # the faulted attempt's seconds per step
@@ -145,8 +159,6 @@ def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
     r.hang_latched = False
     r.drill = None  # a notice for the attempt before is not this one's
     reached, r.last_step = r.last_step, cp.step if cp else None
-    if a.pidfd is not None:
-        r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
     where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
     if a.gpus is not None:
         where += f", GPUs {','.join(map(str, a.gpus))}"

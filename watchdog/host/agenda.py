@@ -31,6 +31,7 @@ class JobSelector(selectors.BaseSelector):
         self.sel = sel
         self.poked = True  # a new job ticks at once
         self.due = 0.0
+        self.fds: set[int] = set()  # what the job has registered: gone with the job
 
     def _marking(self, data: Any) -> Any:
         if not callable(data):
@@ -42,10 +43,23 @@ class JobSelector(selectors.BaseSelector):
         return ready
 
     def register(self, fileobj: _FileObj, events: int, data: Any = None) -> selectors.SelectorKey:
-        return self.sel.register(fileobj, events, self._marking(data))
+        key = self.sel.register(fileobj, events, self._marking(data))
+        self.fds.add(key.fd)
+        return key
 
     def unregister(self, fileobj: _FileObj) -> selectors.SelectorKey:
-        return self.sel.unregister(fileobj)
+        key = self.sel.unregister(fileobj)
+        self.fds.discard(key.fd)
+        return key
+
+    def forget(self) -> None:
+        """The job is gone: what it left registered (an attempt released to run on
+        keeps its pidfd's number only until the next open) leaves the loop's
+        selector, whose next registration of that number would fail."""
+        for fd in list(self.fds):
+            if fd in self.sel.get_map():
+                self.sel.unregister(fd)  # a closed fd: the epoll set dropped it already
+        self.fds.clear()
 
     def modify(self, fileobj: _FileObj, events: int, data: Any = None) -> selectors.SelectorKey:
         return self.sel.modify(fileobj, events, self._marking(data))
@@ -75,7 +89,9 @@ class Agenda:
         return r
 
     def discard(self, r: JobRunner) -> None:
-        self._of.pop(r, None)
+        js = self._of.pop(r, None)
+        if js is not None:
+            js.forget()
 
     def poke(self, r: JobRunner) -> None:
         """Something reached the job by a path of its own: tick it this round."""

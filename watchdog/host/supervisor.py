@@ -121,7 +121,14 @@ class Supervisor:
         except (SocketInUse, OSError) as e:
             log.warning("no control socket (GPU drills cannot reach this trainwatch): %s", e)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
-        m = config.metrics
+        self.stop_signal: int | None = None
+        self.loop_errors = 0  # exceptions in one job's handling, survived
+        self._failed_at: dict[str, float] = {}  # where -> when its error was last logged
+        self._failed_now = False  # an error this round: do not spin on it
+        self._next_reap = 0.0
+        self._stop_sent = False
+        self._removing: list[JobRunner] = []  # removed by a reload, being stopped
+        m = config.metrics  # last: a scrape may come at once, and reads all of the above
         if m.port:
             try:
                 self.exporter.start(m.address, m.port)
@@ -130,13 +137,6 @@ class Supervisor:
                 raise ConfigError(f"metrics: cannot listen on {m.address}:{m.port}: "
                                   f"{e.strerror or e} (metrics.port, or --metrics-port; "
                                   "0 turns the exporter off)") from None
-        self.stop_signal: int | None = None
-        self.loop_errors = 0  # exceptions in one job's handling, survived
-        self._failed_at: dict[str, float] = {}  # where -> when its error was last logged
-        self._failed_now = False  # an error this round: do not spin on it
-        self._next_reap = 0.0
-        self._stop_sent = False
-        self._removing: list[JobRunner] = []  # removed by a reload, being stopped
 
     def check_job(self, j: Job) -> None:
         check_command(j, foreground=self.die_with_parent)
@@ -315,7 +315,8 @@ class Supervisor:
                 finally:
                     self.lock.acquire()
                 for key, _ in ready:
-                    self._guarded(key.data, key.fd)
+                    if self.sel.get_map().get(key.fd) is key:  # not closed by an earlier one
+                        self._guarded(key.data, key.fd)
                 self._guarded(self._route_gpu_faults)
                 now = self.clock()
                 for r in self.agenda.due(now):  # those whose wake came, or an event

@@ -230,8 +230,10 @@ class JobRunner:
     # --- events from the loop ------------------------------------------------
 
     def _believe(self, pid: int, uid: int) -> bool:
-        a = self.attempt  # not a worker of a group's round before (multihost/group.py)
-        return a is not None and a.tree.owns(pid, uid) and not group.of_rounds_before(self, pid)
+        a = self.attempt  # not a worker of a group's round before (multihost/group.py);
+        # one that has beaten stays believed once gone (a loaded loop reads it late)
+        return a is not None and (a.tree.owns(pid, uid) or self.ranks.beat_from(pid)) \
+            and not group.of_rounds_before(self, pid)
 
     def _on_report(self, obs: CheckpointReport) -> None:
         # A checkpoint written again at a quarantined step is new, if this attempt

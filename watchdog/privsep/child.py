@@ -51,6 +51,8 @@ _ALWAYS = ("importlib.readers", "importlib.resources", "encodings.idna", "zipfil
            "trainwatch.evidence.flightrecorder", "trainwatch.multihost.records")
 
 _PR_SET_DUMPABLE = 4
+_PR_SET_NAME = 15
+NAME = b"trainwatch-hand"  # /proc/<pid>/comm: 15 bytes at most
 try:  # loaded here, in the daemon, before any fork (the hand loads nothing of libc's)
     _prctl: Callable[..., int] | None = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):
@@ -68,6 +70,8 @@ def serve(fd: int, ident: Identity | None, env: dict[str, str],
     # number that is this process's own by then.
     gc.freeze()
     gc.enable()  # the fork disabled it until now (hand.py): the hand's own are collected
+    if _prctl is not None:  # in ps and top, a hand is not another daemon (its argv is ours)
+        _prctl(_PR_SET_NAME, NAME, 0, 0, 0)
     code = 70
     try:
         _become(fd, ident, env, preload)

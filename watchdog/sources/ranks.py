@@ -104,3 +104,7 @@ class Ranks:
 
     def pids(self) -> dict[int, int]:
         return {rank: r.pid for rank, r in self.ranks.items()}
+
+    def beat_from(self, pid: int) -> bool:
+        """Has a beat of this attempt come from ``pid`` (one believed then)?"""
+        return any(r.pid == pid for r in self.ranks.values())
