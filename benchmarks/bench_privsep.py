@@ -702,6 +702,7 @@ def print_d(r: dict[str, Any]) -> None:
     print(f"  daemon CPU, utime+stime:     {r['cpu_pct_stat_total']:.3f} % of a core"
           f"  goal <= 0.5 %  {ok}")
     print(f"  daemon CPU, schedstat:       {fmt_summary(r['cpu_pct_windows'], '%')}")
+    print(f"  daemon wake-ups (all threads): {r['wakeups_per_s']:.0f} /s, {r['threads']} threads")
     print(f"  its hands ({r['hands']}, {r['hands_new']} new): "
           f"{r['hands_cpu_pct']:.3f} %; reaped children {r['reaped_cpu_pct']:.3f} %")
     ok = "ok" if r["with_hands_cpu_pct"] <= 0.5 else "MISSED"
