@@ -28,7 +28,7 @@ NAME_RULE = "a name of letters, digits, '_', '.', '-' (at most 63)"
 COMMAND_RULE = "a non-empty list of strings (the command and its arguments)"
 DURATION_RULE = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"
 TOP_KEYS = ("gpu, host, jobs, metrics, observe_only, policies, removed_jobs, run_dir,"
-            " state_dir")
+            " slurm, state_dir")
 DETECTED = ", ".join(sorted(k.value for k in DETECTED_KINDS))
 ALL_ACTIONS = "alert, restart, rollback, restart_exclude_gpu, exec, stop"
 LONG_RUN_DIR = "/" + "r" * 100  # 101 bytes; /jobs/train.sock makes it 117 > 107
@@ -50,6 +50,18 @@ BAD: list[object] = [
         "just words\n",
         "<file>: top level: expected a mapping, got 'just words'",
         id="scalar-document",
+    ),
+    pytest.param(
+        JOB + "slurm: {job: {command: [python, train.py]}}\n",
+        "<file>: slurm.job.command: expected one of anomalies, checkpoints, evidence, gpus, "
+        "heartbeat, logs, policy, stall, got an unknown key",
+        id="slurm-job-with-a-command",
+    ),
+    pytest.param(
+        JOB + "slurm: {node: 'n[1-2]'}\n",
+        "<file>: slurm.node: expected a host name of 1-64 letters, digits, '.', '_', '-', "
+        "got 'n[1-2]'",
+        id="slurm-node-list",
     ),
     pytest.param(
         JOB + "jobz: []\n",

@@ -20,6 +20,11 @@ announce a new ring (the first beat of each rank in each process) and at
 once for a non-finite loss or gradient norm, so that the daemon acts on a NaN
 without waiting for its next read. Without it, or if the ring file cannot be
 made, every beat is a datagram, as before.
+
+In a Slurm job step that trainwatch did not launch (SLURM_JOB_ID, SLURM_STEP_ID
+and SLURM_PROCID set, TRAINWATCH_SOCKET not), connect() first attaches the
+rank to the node's daemon (trainwatch.slurmattach, loaded only then), once
+per process and for at most TRAINWATCH_ATTACH_TIMEOUT seconds.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import math
 import os
 import socket
+import threading
 import time
 
 from trainwatch.sources.ring import ENV as RING_ENV
@@ -80,9 +86,20 @@ _rings: dict[tuple[str, int], RingWriter | None] = {}
 _fork_gen = 0
 
 
+# A rank of a Slurm step that trainwatch did not launch attaches once per
+# process (trainwatch.slurmattach), a failure included: a second connect()
+# neither registers again nor waits again.
+_attach_lock = threading.Lock()
+_attach_tried = False
+_attached = False
+
+
 def _after_fork_in_child() -> None:
-    global _fork_gen
+    global _fork_gen, _attach_lock
     _fork_gen += 1
+    # Forked while another thread was attaching: the child must not wait on a lock
+    # no thread of its own will release (it asks nothing: _attach_tried is set).
+    _attach_lock = threading.Lock()
     for w in _rings.values():
         if w is not None:
             w.close()  # unmaps the child's copy of the mapping only
@@ -329,14 +346,43 @@ class NullHeartbeat:
 
 def _env_rank() -> int:
     try:
-        return int(os.environ.get("RANK", "0"))
+        return int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0")
     except ValueError:
         return 0
 
 
+def _slurm_attach() -> None:
+    """Attach this Slurm step's rank to the node's daemon, at most once per
+    process; on success TRAINWATCH_SOCKET (and the rest) are in os.environ."""
+    global _attach_tried, _attached
+    env = os.environ
+    if env.get("TRAINWATCH_SOCKET") or env.get("TRAINWATCH_ATTACH") == "0" \
+            or not all(env.get(k) for k in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID")):
+        return
+    with _attach_lock:
+        if _attach_tried:
+            return
+        _attach_tried = True
+        try:
+            from trainwatch import slurmattach  # stdlib only; only Slurm steps load it
+
+            _attached = slurmattach.attach() is not None
+        except Exception:
+            _attached = False
+        if not _attached:
+            # Children (spawned data loader workers) do not try, nor wait, again.
+            env["TRAINWATCH_ATTACH"] = "0"
+
+
 def connect(path: str | None = None, rank: int | None = None) -> Heartbeat | NullHeartbeat:
     """A heartbeat sender for TRAINWATCH_SOCKET (or ``path``); a no-op object
-    when neither is set. The rank defaults to $RANK, as torchrun sets it."""
+    when neither is set. The rank defaults to $RANK, as torchrun sets it, else
+    $SLURM_PROCID. In a Slurm job step, with neither ``path`` nor
+    TRAINWATCH_SOCKET, the rank is first attached to the node's daemon
+    (trainwatch.slurmattach: once per process, for at most
+    TRAINWATCH_ATTACH_TIMEOUT seconds; TRAINWATCH_ATTACH=0: not at all)."""
+    if not path:
+        _slurm_attach()
     path = path or os.environ.get("TRAINWATCH_SOCKET")
     if not path:
         return NullHeartbeat()

@@ -90,6 +90,7 @@ def logs(log_dir: Path, current: str, keep: int = KEEP_LOGS) -> int:
 def sweep(run_jobs: str, log_path: Path, job: str, current: int) -> None:
     """After attempt ``current`` (its log ``log_path``) has started, and the
     state file names it."""
-    gone = exit_files(run_jobs, job, current), logs(log_path.parent, log_path.name)
+    gone = exit_files(run_jobs, job, current), \
+        logs(log_path.parent, log_path.name) if str(log_path) != os.devnull else 0
     if any(gone):
         log.debug("job %s: removed %d exit files and %d logs of earlier attempts", job, *gone)

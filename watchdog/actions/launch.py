@@ -55,6 +55,12 @@ def _across_hosts(r: Runner, job: Job) -> tuple[Job, Mapping[str, str]] | None:
 def launch(r: Runner, reason: str) -> None:
     """Start the next attempt from the last good checkpoint, on the healthy GPUs;
     FATAL when it cannot start."""
+    if r.job.slurm is not None:  # Slurm starts it; its next run attaches (slurm/attach.py)
+        if r.state in TERMINAL:
+            raise ValueError(f"job {r.job.name}: Slurm starts it, not trainwatch "
+                             f"(scontrol requeue {r.job.slurm})")
+        r.relaunch_at = r.clock() + _JUDGE_POLL
+        return
     ready, cp = verify.checkpoint_to_use(r, wait=r.state is not JobState.BACKOFF)
     if not ready:  # its check still runs (in a thread), or its folder is unjudged: it waits
         r.relaunch_at = r.clock() + (_JUDGE_POLL if r.catalog.unjudged else _VERIFY_POLL)

@@ -1,6 +1,7 @@
 """The operator commands that talk to the running daemon over its control
 socket (``trainwatch.host.control``): ``status``, ``incidents``, ``checkpoints``,
-``rollback``, ``pause``, ``resume``, ``stop``, ``start`` and ``reload``.
+``rollback``, ``pause``, ``resume``, ``stop``, ``start`` and ``reload``; and
+``attach``, a Slurm task's (trainwatch.slurmattach).
 
 Each sends one request and prints the reply as a table or one line, or with
 ``--json`` the reply's payload (without ``"ok"``). What goes wrong is one line
@@ -30,7 +31,7 @@ from trainwatch.cli.tables import (
     render_status,
     state_word,
 )
-from trainwatch.config import ConfigError, default_dirs, load
+from trainwatch.config import ConfigError, default_dirs, fields, load
 from trainwatch.evidence import show
 from trainwatch.host.control import ControlError, control_path, request
 from trainwatch.state import checkpointlist
@@ -296,6 +297,13 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_attach(args: argparse.Namespace) -> int:
+    """Attach, then exec CMD (returns only when there is nothing to exec)."""
+    from trainwatch import slurmattach
+
+    return slurmattach.run(args.command, args.run_dir, args.checkpoint_dir, args.timeout)
+
+
 # --- the parsers -------------------------------------------------------------
 
 
@@ -310,6 +318,13 @@ def _count(least: int) -> Callable[[str], int]:
         return n
 
     return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        return fields.duration(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {fields.DUR}, got {text!r}") from None
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -359,3 +374,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         command(name, help, fn).add_argument("job")
 
     command("reload", "re-read the daemon's config", cmd_reload)
+
+    a = sub.add_parser("attach", help="register this Slurm task with the node's daemon, then"
+                       " exec CMD (on the srun line)",
+                       usage="trainwatch attach [--run-dir D] [--checkpoint-dir DIR]"
+                             " [--timeout S] -- CMD ...")
+    a.add_argument("--run-dir", help="the node's daemon's run_dir; {node}: SLURMD_NODENAME"
+                   " (default $TRAINWATCH_RUN_DIR, else /run/trainwatch)")
+    a.add_argument("--checkpoint-dir", help="where the job writes checkpoints")
+    a.add_argument("--timeout", type=_seconds, metavar="DURATION",
+                   help="give up (and run CMD unwatched) after this long (default"
+                        " $TRAINWATCH_ATTACH_TIMEOUT, else 10s)")
+    a.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
+    a.set_defaults(fn=cmd_attach)

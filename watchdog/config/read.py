@@ -11,7 +11,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainwatch.config import fields, sections
+from trainwatch.config import fields, sections, slurmwatch
 from trainwatch.config.fields import Refused, Said, show
 from trainwatch.config.reader import DUR as _DUR
 from trainwatch.config.reader import MISSING as _MISSING
@@ -347,7 +347,7 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
     """Validate a parsed YAML document into a Config."""
     r = Reader(source)
     keys = {"state_dir", "run_dir", "metrics", "gpu", "jobs", "policies", "observe_only",
-            "removed_jobs", "host"}
+            "removed_jobs", "host", "slurm"}
     m = r.mapping(raw, "", keys)
     state_default, run_default = default_dirs()
 
@@ -369,6 +369,9 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
     seen: set[str] = set()
     jobs = tuple(_job(r, i, j, policies, seen, gpu.backend) for i, j in enumerate(raw_jobs))
 
+    host = r.get(m, "host", "", fields.HOST, None) or socket.gethostname()
+    slurm = slurmwatch.read(r, m.get("slurm"), host, lambda t: _job(r, 0, t, policies, set(),
+                                                                    gpu.backend))
     mm = r.mapping(m.get("metrics"), "metrics", {"address", "port"})
     run_dir = r.get(m, "run_dir", "", _STR, run_default)
     check_socket_paths(r.source, run_dir, jobs)
@@ -386,9 +389,9 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         observe_only=r.get(m, "observe_only", "", "true or false", False),
         removed_jobs=_removed(r, m.get("removed_jobs", "keep")),
         source=source,
-        host=r.get(m, "host", "", fields.HOST, None) or socket.gethostname(),
+        host=host,
+        slurm=slurm,
     )
-
 
 
 def _removed(r: Reader, v: object) -> str:

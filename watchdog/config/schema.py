@@ -194,6 +194,17 @@ class Job:
     logs: Logs = field(default_factory=Logs)
     stall: StallSettings = field(default_factory=StallSettings)
     evidence: Evidence = field(default_factory=Evidence)
+    slurm: int | None = None  # the Slurm job id of a job attached to, never launched
+
+
+@dataclass(frozen=True)
+class SlurmWatch:
+    """The ``slurm:`` section (config/slurmwatch.py)."""
+
+    node: str  # Slurm's name for this node
+    job: Job  # the template of every attached job
+    conf: str | None = None  # SLURM_CONF for scontrol; None: Slurm's own default
+    timeout: float = 15.0  # seconds for each Slurm command
 
 
 @dataclass(frozen=True)
@@ -238,6 +249,7 @@ class Config:
     # This host's name in incidents and group records (`host:`, or --host for tests
     # that run several "hosts" on one machine).
     host: str = field(default_factory=socket.gethostname)
+    slurm: SlurmWatch | None = None  # watch the Slurm jobs that attach (slurm/attach.py)
 
     def policy_for(self, job: Job) -> Policy:
         return self.policies[job.policy]

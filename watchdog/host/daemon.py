@@ -23,10 +23,11 @@ from dataclasses import replace
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler  # type: ignore[import-untyped]
-from trainwatch.config import Config, ConfigError, load
+from trainwatch.config import Config, ConfigError, load, slurmwatch
 from trainwatch.host.service import Service
 from trainwatch.host.supervisor import Supervisor
 from trainwatch.lifecycle.job import JobRunner
+from trainwatch.slurm import register
 from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")
@@ -53,6 +54,10 @@ class Daemon(Supervisor):
         self.scheduler.add_job(self._locked(self.reap_strays), "interval",
                                seconds=5.0, id="reap")
         self._status_at = 0.0
+        # Ranks of Slurm jobs attach over the control socket (slurm/attach.py).
+        self.registry = (register.Registry(config.slurm.node,
+                                           register.prover(slurmwatch.command(config.slurm)))
+                         if config.slurm is not None else None)
 
     # --- the loop's edges ------------------------------------------------------
 
@@ -94,6 +99,8 @@ class Daemon(Supervisor):
     def close(self) -> None:
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
+        if self.registry is not None:
+            self.registry.close()
         super().close()
 
     def release_jobs(self) -> bool:
@@ -150,7 +157,7 @@ class Daemon(Supervisor):
         old = {r.job.name: r for r in self.runners}
         names = {j.name for j in new.jobs}
         for r in list(self.runners):
-            if r.job.name not in names:
+            if r.job.name not in names and r.job.slurm is None:  # attached: Slurm's
                 out["removed"].append(r.job.name)
                 self.remove_runner(r, stop=new.removed_jobs == "stop")
         for j in new.jobs:

@@ -23,6 +23,7 @@ from trainwatch.actions.launch import launch
 from trainwatch.host import access, drillrequests
 from trainwatch.host.access import Peer
 from trainwatch.lifecycle.policy import RestartHistory
+from trainwatch.slurm import attach
 from trainwatch.state import checkpointlist
 from trainwatch.types import JobState
 
@@ -35,12 +36,15 @@ log = logging.getLogger("trainwatch")
 OPS = frozenset({"status", "incidents", "checkpoints", "rollback", "pause", "resume", "stop",
                  "start", "reload"})
 READS = frozenset({"status", "incidents", "checkpoints"})  # change nothing
+QUIET = READS | {"attach"}  # not logged one by one (a rank asks again every 0.2 s)
 _INCIDENTS_MAX = 200  # rows in one reply (a datagram of at most 64 KiB)
 
 
 def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
     """The reply to one request from ``peer``; raises access.Refused before any
     work when the request is not theirs to make."""
+    if op == "attach":  # any user's rank: the proof is the authorisation
+        return attach.answer(sup, args, peer)
     if op not in OPS:
         return drillrequests.answer(sup, op, args, peer)
     if op == "status":

@@ -115,7 +115,7 @@ class Supervisor:
         self.control: ControlSocket | None = None
         try:
             self.control = ControlSocket(config.run_dir, self._on_control,
-                                         quiet=operations.READS)
+                                         quiet=operations.QUIET)
             self.sel.register(self.control, selectors.EVENT_READ,
                               lambda _fd: self.control and self.control.handle())
         except (SocketInUse, OSError) as e:

@@ -101,8 +101,8 @@ def check(r: Runner, now: float) -> None:
 def _check_silent(r: Runner, now: float) -> None:
     w, a = r.stall, r.attempt
     assert a is not None
-    if w.settings.silence is None or a.closed:
-        return
+    if w.settings.silence is None or a.closed or str(a.log_path) == os.devnull:
+        return  # no output to be silent: an attached job's is Slurm's
     try:
         silent_for: float | None = max(0.0, time.time() - os.stat(a.log_path).st_mtime)
     except OSError:

@@ -1,0 +1,183 @@
+"""Slurm jobs trainwatch did not launch (issue 23, part 1): each rank of a 2-node
+`sbatch` + `srun` job attaches to its node's daemon through the client, is
+proven (scontrol listpids, the peer's uid) and then watched like a launched
+job: its steps, its checkpoints, its end as Slurm judged it. A forged rank is
+refused. Two daemons, `--host n1` and `--host n2`, stand for the two nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import wait_for
+from slurmcluster import NODES, SlurmCluster
+
+# Beats every 0.05 s with the client (which attaches on its first connect()),
+# checkpoints every 10 steps into the shared folder and reports them; ends
+# after `steps` steps, or at once with `exit_at` on rank `bad`.
+TRAINER = textwrap.dedent("""
+    import os, sys, time
+    from trainwatch import client
+    ckpt, steps = sys.argv[1], int(sys.argv[2])
+    hb = client.connect()
+    rank = int(os.environ["SLURM_PROCID"])
+    start = int(open(client.resume_from()).read()) if client.resume_from() else 0
+    print(f"rank {rank} attached to {os.environ.get('TRAINWATCH_JOB')} from {start}",
+          flush=True)
+    for step in range(start + 1, steps + 1):
+        time.sleep(0.05)
+        hb.beat(step, loss=1.0 / step)
+        if rank == 0 and step % 10 == 0:
+            path = os.path.join(ckpt, f"step_{step}")
+            with open(path + ".tmp", "w") as f:
+                f.write(str(step))
+            os.replace(path + ".tmp", path)
+            hb.checkpoint(step, path)
+""")
+
+
+class Node:
+    """One node's trainwatch daemon (`--host <node>`, its own state and run dirs)."""
+
+    def __init__(self, cluster: SlurmCluster, name: str, root: Path) -> None:
+        self.name, self.root = name, root / name
+        self.root.mkdir(parents=True)
+        cfg = {"state_dir": str(self.root / "state"), "run_dir": str(self.root / "run"),
+               "metrics": {"port": 0}, "gpu": {"backend": "off", "kmsg": None}, "jobs": [],
+               "slurm": {"node": name, "conf": str(cluster.conf), "job": {
+                   "checkpoints": {"pattern": "step_{step}"},
+                   "heartbeat": {"timeout": "60s"}}}}
+        path = self.root / "trainwatch.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.out = (self.root / "daemon.log").open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trainwatch.cli", "daemon", "--config", str(path),
+             "--host", name], env=cluster.env, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def status(self, job: str) -> dict[str, Any]:
+        try:
+            p = self.root / "state" / "jobs" / job / "status.json"
+            return dict(json.loads(p.read_text()))
+        except (OSError, ValueError):
+            return {}
+
+    def output(self) -> str:
+        return (self.root / "daemon.log").read_text(errors="replace")
+
+    def incidents(self, job: str) -> list[dict[str, Any]]:
+        r = subprocess.run([sys.executable, "-m", "trainwatch.cli", "incidents", "--json",
+                            "--state-dir", str(self.root / "state")],
+                           capture_output=True, text=True, timeout=60, check=False)
+        try:
+            got = json.loads(r.stdout)
+        except ValueError:
+            return []
+        rows = got.get("incidents", []) if isinstance(got, dict) else got
+        return [x for x in rows if x.get("job") == job]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.out.close()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[SlurmCluster]:
+    with SlurmCluster.start() as c:
+        yield c
+
+
+@pytest.fixture
+def nodes(cluster: SlurmCluster, tmp_path: Path) -> Iterator[dict[str, Node]]:
+    ns = {n: Node(cluster, n, tmp_path) for n in NODES}
+    try:
+        for n in ns.values():
+            wait_for(lambda n=n: (n.root / "run" / "control.sock").exists(), timeout=60,
+                     what=f"{n.name}'s daemon to listen")
+        yield ns
+    finally:
+        for n in ns.values():
+            n.stop()
+
+
+def _submit(cluster: SlurmCluster, tmp_path: Path, steps: int) -> tuple[int, Path]:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir(exist_ok=True)
+    (tmp_path / "train.py").write_text(TRAINER)
+    run_dir = str(tmp_path / "{node}" / "run")
+    script = (f"#!/bin/sh\nexport TRAINWATCH_RUN_DIR='{run_dir}'\n"
+              f"export PYTHONPATH='{os.pathsep.join(sys.path[1:])}'\n"
+              f"srun -N2 -n2 {sys.executable} {tmp_path / 'train.py'} {ckpt} {steps}\n")
+    return cluster.sbatch(script, "-N2", "-n2"), ckpt
+
+
+def _story(cluster: SlurmCluster, job: int, nodes: dict[str, Node]) -> str:
+    out = (cluster.root / "jobs" / f"{job}.out")
+    said = out.read_text(errors="replace")[-2000:] if out.exists() else "(no output)"
+    return (f"{cluster.describe(job)}\njob output:\n{said}\n" +
+            "\n".join(f"{n.name}:\n{n.output()[-3000:]}" for n in nodes.values()))
+
+
+def test_both_ranks_attach_are_watched_and_end_as_slurm_judged(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """Rank 0 on one node, rank 1 on the other: each node's daemon watches
+    slurm-J (steps advancing, attempt 0 = Slurm's restart count), judges the
+    reported checkpoints, and once the job has COMPLETED says it exited."""
+    job, _ = _submit(cluster, tmp_path, 120)
+    name = f"slurm-{job}"
+    try:
+        for n in nodes.values():
+            wait_for(lambda n=n: n.status(name).get("state") == "running"
+                     and (n.status(name).get("step") or 0) >= 5, timeout=90,
+                     what=f"{name} running on {n.name}")
+        assert {n.status(name)["attempt"] for n in nodes.values()} == {0}
+        cluster.wait_ended(job)
+        for n in nodes.values():
+            wait_for(lambda n=n: n.status(name).get("state") == "exited", timeout=60,
+                     what=f"{name} exited on {n.name}")
+            assert n.status(name)["step"] == 120
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    assert cluster.job(job).get("JobState") == "COMPLETED"
+    for n in nodes.values():
+        assert "attached (Slurm job" in n.output()
+        assert not n.incidents(name), n.incidents(name)
+
+
+def test_a_rank_that_claims_another_jobs_place_is_refused(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """A process outside the job (here: the test itself) claiming to be rank 0
+    of a running job gets a refusal, and no runner is made for it."""
+    job, _ = _submit(cluster, tmp_path, 400)
+    name = f"slurm-{job}"
+    try:
+        wait_for(lambda: nodes["n1"].status(name).get("state") == "running", timeout=90,
+                 what=f"{name} running on n1")
+        from trainwatch import slurmattach
+        env = {"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": "0", "SLURM_PROCID": "0",
+               "SLURMD_NODENAME": "n1"}
+        code = ("import os; from trainwatch import slurmattach as s; "
+                "print(s.attach(timeout=20))")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, env={**os.environ, **env,
+                                            "TRAINWATCH_RUN_DIR": str(nodes["n1"].root / "run")},
+                           check=False)
+        assert r.stdout.strip() == "None", (r.stdout, r.stderr)
+        assert "trainwatch: attach: " in r.stderr, r.stderr
+        assert slurmattach.__name__  # the module the trainer's client loads
+    finally:
+        cluster.cancel(job)

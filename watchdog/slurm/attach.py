@@ -1,0 +1,115 @@
+"""A rank's ``attach`` request on the control socket (host/operations.py).
+
+The claim is proven off the loop by the Registry (register.py); the request is
+answered "pending" until it is. Once proven, the job's runner is found, or made
+from the ``slurm.job`` template (config/slurmwatch.py) as ``slurm-<job id>``
+running as the proven owner, and the rank's task is taken into the attempt of
+its run: Slurm's restart count, which every node agrees on, is the attempt's
+number. Only what the proof established is used (the owner's uid, the task's
+pid and start time, the restart count); the claim's other fields are the
+user's word: a checkpoints folder is read only in the job's hands, as its user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from trainwatch.actions.launch import begin_attempt
+from trainwatch.config import slurmwatch
+from trainwatch.config.schema import Job, SlurmWatch
+from trainwatch.host.access import Peer, Refused
+from trainwatch.slurm.command import Slurm
+from trainwatch.slurm.proof import Proven
+from trainwatch.slurm.register import RETRY
+from trainwatch.slurm.stepattempt import StepAttempt
+from trainwatch.types import JobState
+from trainwatch.watch import exits
+
+if TYPE_CHECKING:
+    from trainwatch.host.supervisor import Supervisor
+    from trainwatch.lifecycle.job import JobRunner
+
+log = logging.getLogger("trainwatch")
+
+_LIVE = (JobState.STARTING, JobState.RUNNING)
+_PROVEN = tuple(f.name for f in dataclasses.fields(Proven))
+
+
+def name_of(job: int) -> str:
+    return f"slurm-{job}"
+
+
+def answer(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    """The reply to one attach request (register.py's, plus where to beat once proven)."""
+    reg, settings = getattr(sup, "registry", None), sup.config.slurm
+    if reg is None or settings is None:
+        raise ValueError("this trainwatch watches no Slurm jobs (its config has no slurm: "
+                         "section)")
+    reply: dict[str, Any] = reg.answer(args, peer)
+    if not reply.get("proven"):
+        return reply
+    proven = Proven(**{k: reply[k] for k in _PROVEN})
+    r = _runner(sup, settings, proven, args)
+    a = join(r, proven, slurmwatch.command(settings))
+    if a is None:
+        return {"pending": True, "retry": RETRY}
+    return {**reply, "name": r.job.name, "socket": r.socket_path, "ring_dir": a.ring_dir,
+            "attempt": a.number, "resume_from": a.resume_from, "resumed_step": a.resumed_step}
+
+
+def _runner(sup: Supervisor, settings: SlurmWatch, proven: Proven,
+            args: dict[str, Any]) -> JobRunner:
+    name = name_of(proven.job)
+    for r in sup.runners:
+        if r.job.name == name:
+            if r.job.user != str(proven.uid):  # a job id reused by another owner
+                raise Refused(f"job {proven.job}: watched here as another user's")
+            return r
+    sup.add_runner(sup.config, _job(settings.job, name, proven, args))
+    log.info("job %s: attached (Slurm job %d, owner uid %d, node %s)", name, proven.job,
+             proven.uid, proven.node)
+    return sup.runners[-1]
+
+
+def _job(template: Job, name: str, proven: Proven, args: dict[str, Any]) -> Job:
+    ckpt = template.checkpoints
+    d = args.get("checkpoints_dir")
+    if ckpt.dir is None and isinstance(d, str) and os.path.isabs(d) and len(d) <= 4096 \
+            and "\0" not in d:
+        ckpt = replace(ckpt, dir=os.path.normpath(d))
+    argv0 = args.get("argv0")
+    command = (argv0[:256],) if isinstance(argv0, str) and argv0 and "\0" not in argv0 \
+        else template.command  # shown only (status); never run
+    return replace(template, name=name, command=command, user=str(proven.uid),
+                   checkpoints=ckpt, slurm=proven.job)
+
+
+def join(r: JobRunner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
+    """The attempt of the proven rank's run, begun here if it is the first of its
+    run on this node; the run before it is ended first (Slurm requeued the job,
+    or its next srun began). None: the run before is still being stopped (the
+    rank asks again)."""
+    a = r.attempt
+    if isinstance(a, StepAttempt) and not a.closed:
+        if a.number > proven.restarts:
+            raise Refused(f"job {proven.job}: run {proven.restarts} was requeued already")
+        if a.number == proven.restarts and a.slurm_step == proven.step:
+            a.add(proven)
+            return a
+        # Its tasks are gone or going: a requeue (a crash, unless ours), or the
+        # job's next step (a clean end of this one).
+        a.ended(0 if a.number == proven.restarts else 1)
+        if r.state in _LIVE:
+            exits.check(r)
+    if r.state is JobState.STOPPING:
+        return None
+    r.number = proven.restarts
+    cp = r.catalog.last_good()
+    a = StepAttempt.attach(r.job, proven, cp.path if cp else None, cp.step if cp else None,
+                           None, slurm)
+    begin_attempt(r, a, cp, "attached")
+    return a
