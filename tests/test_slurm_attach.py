@@ -48,14 +48,15 @@ TRAINER = textwrap.dedent("""
 class Node:
     """One node's trainwatch daemon (`--host <node>`, its own state and run dirs)."""
 
-    def __init__(self, cluster: SlurmCluster, name: str, root: Path) -> None:
+    def __init__(self, cluster: SlurmCluster, name: str, root: Path,
+                 timeout: str = "60s") -> None:
         self.name, self.root = name, root / name
         self.root.mkdir(parents=True)
         cfg = {"state_dir": str(self.root / "state"), "run_dir": str(self.root / "run"),
                "metrics": {"port": 0}, "gpu": {"backend": "off", "kmsg": None}, "jobs": [],
                "slurm": {"node": name, "conf": str(cluster.conf), "job": {
-                   "checkpoints": {"pattern": "step_{step}"},
-                   "heartbeat": {"timeout": "60s"}}}}
+                   "checkpoints": {"pattern": "step_{step}", "quiet_for": "1s"},
+                   "heartbeat": {"timeout": timeout}}}}
         path = self.root / "trainwatch.yaml"
         path.write_text(yaml.safe_dump(cfg))
         self.out = (self.root / "daemon.log").open("wb")
@@ -102,8 +103,9 @@ def cluster() -> Iterator[SlurmCluster]:
 
 
 @pytest.fixture
-def nodes(cluster: SlurmCluster, tmp_path: Path) -> Iterator[dict[str, Node]]:
-    ns = {n: Node(cluster, n, tmp_path) for n in NODES}
+def nodes(cluster: SlurmCluster, tmp_path: Path,
+          request: pytest.FixtureRequest) -> Iterator[dict[str, Node]]:
+    ns = {n: Node(cluster, n, tmp_path, getattr(request, "param", "60s")) for n in NODES}
     try:
         for n in ns.values():
             wait_for(lambda n=n: (n.root / "run" / "control.sock").exists(), timeout=60,
@@ -114,15 +116,17 @@ def nodes(cluster: SlurmCluster, tmp_path: Path) -> Iterator[dict[str, Node]]:
             n.stop()
 
 
-def _submit(cluster: SlurmCluster, tmp_path: Path, steps: int) -> tuple[int, Path]:
+def _submit(cluster: SlurmCluster, tmp_path: Path, steps: int,
+            *opts: str) -> tuple[int, Path]:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
     (tmp_path / "train.py").write_text(TRAINER)
     run_dir = str(tmp_path / "{node}" / "run")
     script = (f"#!/bin/sh\nexport TRAINWATCH_RUN_DIR='{run_dir}'\n"
+              f"export TRAINWATCH_CHECKPOINT_DIR='{ckpt}'\n"
               f"export PYTHONPATH='{os.pathsep.join(sys.path[1:])}'\n"
               f"srun -N2 -n2 {sys.executable} {tmp_path / 'train.py'} {ckpt} {steps}\n")
-    return cluster.sbatch(script, "-N2", "-n2"), ckpt
+    return cluster.sbatch(script, "-N2", "-n2", *opts), ckpt
 
 
 def _story(cluster: SlurmCluster, job: int, nodes: dict[str, Node]) -> str:
@@ -179,5 +183,69 @@ def test_a_rank_that_claims_another_jobs_place_is_refused(
         assert r.stdout.strip() == "None", (r.stdout, r.stderr)
         assert "trainwatch: attach: " in r.stderr, r.stderr
         assert slurmattach.__name__  # the module the trainer's client loads
+    finally:
+        cluster.cancel(job)
+
+
+@pytest.mark.parametrize("nodes", ["3s"], indirect=True)
+def test_a_stopped_rank_is_requeued_through_slurm_and_both_nodes_resume_from_one_checkpoint(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """Rank 1 stopped (SIGSTOP) on its node: that node's daemon sees the hang,
+    requeues the job through Slurm and has it started at once; Slurm ends both
+    ranks, the next run (restart 1) attaches on both nodes and resumes from the
+    newest checkpoint judged before the hang, the same on both."""
+    job, ckpt = _submit(cluster, tmp_path, 100_000)
+    name = f"slurm-{job}"
+    try:
+        for n in nodes.values():
+            wait_for(lambda n=n: (n.status(name).get("step") or 0) >= 35, timeout=120,
+                     what=f"{name} at step 35 on {n.name}")
+        where = {n.name: n.status(name)["ranks"] for n in nodes.values()}
+        host, ranks = next((h, r) for h, r in where.items() if "1" in r)
+        os.kill(int(ranks["1"]), signal.SIGSTOP)
+        for n in nodes.values():
+            wait_for(lambda n=n: n.status(name).get("state") == "running"
+                     and n.status(name).get("attempt") == 1, timeout=120,
+                     what=f"{name}'s run 1 running on {n.name}")
+        assert cluster.job(job).get("Restarts") == "1", cluster.job(job)
+        got = {n.name: n.incidents(name) for n in nodes.values()}
+        [hang] = got[host]
+        assert hang["kind"] == "hang", hang
+        assert "requeued (restart 1)" in hang["evidence"]["slurm"], hang
+        resumed = {n: i[0]["resumed_step"] for n, i in got.items()}
+        assert len(set(resumed.values())) == 1 and resumed[host] >= 30, got
+        out = (cluster.root / "jobs" / f"{job}.out").read_text()
+        assert out.count(f"from {resumed[host]}") == 2, out[-2000:]
+    except (AssertionError, ValueError, TypeError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    finally:
+        cluster.cancel(job)
+
+
+@pytest.mark.parametrize("nodes", ["3s"], indirect=True)
+def test_a_job_slurm_will_not_requeue_is_one_loud_incident_and_no_retry(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """`sbatch --no-requeue`: the hang's requeue is refused by Slurm; the incident
+    says so, the job is FATAL here (left to Slurm), and nothing is tried again."""
+    job, _ = _submit(cluster, tmp_path, 100_000, "--no-requeue")
+    name = f"slurm-{job}"
+    try:
+        for n in nodes.values():
+            wait_for(lambda n=n: (n.status(name).get("step") or 0) >= 5, timeout=120,
+                     what=f"{name} at step 5 on {n.name}")
+        where = {n.name: n.status(name)["ranks"] for n in nodes.values()}
+        host, ranks = next((h, r) for h, r in where.items() if "1" in r)
+        node = nodes[host]
+        os.kill(int(ranks["1"]), signal.SIGSTOP)
+        wait_for(lambda: node.status(name).get("state") == "fatal", timeout=120,
+                 what=f"{name} fatal on {host}")
+        [hang] = node.incidents(name)
+        assert hang["evidence"]["slurm_outcome"] == "refused", hang
+        assert "was not requeued" in node.output()
+        assert cluster.job(job).get("Restarts") == "0", cluster.job(job)
+        assert node.output().count("requeue of Slurm job") == 1
+        os.kill(int(ranks["1"]), signal.SIGCONT)
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
     finally:
         cluster.cancel(job)

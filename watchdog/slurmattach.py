@@ -270,7 +270,7 @@ def attach(run_dir: str | None = None, timeout: float | None = None,
     """Register this Slurm step's rank with the node's trainwatch daemon and,
     once the daemon has proved it, put the job's variables into os.environ
     (TRAINWATCH_SOCKET, _JOB, _ATTEMPT, _RING_DIR, _RESUME_FROM; RANK when
-    unset). Returns the daemon's reply, or None: quietly when this is not a
+    unset). ``checkpoints_dir`` defaults to TRAINWATCH_CHECKPOINT_DIR. Returns the daemon's reply, or None: quietly when this is not a
     Slurm step, else after one line on stderr. Never raises; returns by the
     deadline (``timeout``, else TRAINWATCH_ATTACH_TIMEOUT, else 10 s)."""
     env = os.environ
@@ -281,6 +281,9 @@ def attach(run_dir: str | None = None, timeout: float | None = None,
         t = _timeout(timeout, env)
         path = control_path(_run_dir(run_dir, env))
         args: dict[str, Any] = dict(claimed)
+        # Where the job writes its checkpoints: each node's daemon judges them
+        # there, and a requeue's decision (where every rank resumes) is kept there.
+        checkpoints_dir = checkpoints_dir or env.get("TRAINWATCH_CHECKPOINT_DIR")
         if checkpoints_dir:
             args["checkpoints_dir"] = os.path.abspath(os.fspath(checkpoints_dir))
         if argv0:

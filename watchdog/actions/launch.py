@@ -18,6 +18,7 @@ from trainwatch.actions.attempt import Attempt
 from trainwatch.config import Job
 from trainwatch.lifecycle import respond
 from trainwatch.multihost import group, leave, torchrun
+from trainwatch.slurm import requeue
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.catalog import Entry
 from trainwatch.state.ledger import Relaunch
@@ -60,6 +61,7 @@ def launch(r: Runner, reason: str) -> None:
             raise ValueError(f"job {r.job.name}: Slurm starts it, not trainwatch "
                              f"(scontrol requeue {r.job.slurm})")
         r.relaunch_at = r.clock() + _JUDGE_POLL
+        requeue.waits(r)
         return
     ready, cp = verify.checkpoint_to_use(r, wait=r.state is not JobState.BACKOFF)
     if not ready:  # its check still runs (in a thread), or its folder is unjudged: it waits
@@ -165,14 +167,14 @@ def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
     r.hang_latched = False
     r.drill = None  # a notice for the attempt before is not this one's
     reached, r.last_step = r.last_step, cp.step if cp else None
-    where = f"from {cp.path} (step {cp.step})" if cp else "fresh"
+    where = f"from {a.resume_from} (step {a.resumed_step})" if a.resume_from else "fresh"
     if a.gpus is not None:
         where += f", GPUs {','.join(map(str, a.gpus))}"
     if r.pending_incident is not None:
         # The faulted attempt reached `reached`; this one starts over at cp. A job
         # that has never beaten has told nothing of its steps: unknown, not 0.
         lost = None if reached is None or not r.ever_beaten \
-            else max(0, reached - (cp.step if cp else 0))
+            else max(0, reached - (a.resumed_step or 0))
         o = r.outages.outage
         if o is not None:
             name = r.job.name

@@ -64,6 +64,10 @@ class Events:
                                     "Seconds lost to faults: onset to the relaunch's first "
                                     "heartbeat, plus redoing the lost steps.", ["job"],
                                     registry=r)
+        self.slurm_requeues = Counter(
+            "trainwatch_slurm_requeues", "Requeues of attached Slurm jobs trainwatch asked "
+            "for, by Slurm's answer: ok, refused (--no-requeue, not a batch job), failed.",
+            ["job", "outcome"], registry=r)
 
     def add_job(self, job: str) -> None:
         """Every series of a job from zero, so that the first fault is an increase."""

@@ -14,6 +14,7 @@ from trainwatch.evidence import series
 from trainwatch.evidence.show import folder
 from trainwatch.lifecycle.policy import choose, decide
 from trainwatch.multihost import group, leave
+from trainwatch.slurm import requeue
 from trainwatch.types import Action, Fault, FaultKind, JobState
 from trainwatch.watch import firstfailure
 
@@ -165,6 +166,8 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
         stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
         return
     charged = plan is None or plan.widening == 0
+    if requeue.act(r, fault, incident, reason, capture):  # a Slurm job: through Slurm
+        return
     if group.act(r, fault, incident, reason, charged, capture):  # a job across hosts
         return
     r.pending_incident = incident

@@ -90,7 +90,7 @@ def restart_count(job: int, *, slurm: Slurm = DEFAULT) -> Result[int]:
 
 
 def requeue(job: int, *, slurm: Slurm = DEFAULT, start_delay: float = 0.0,
-            settle_timeout: float = SETTLE) -> Result[int]:
+            settle_timeout: float = SETTLE, expect: int | None = None) -> Result[int]:
     """Requeue a running batch job on every node and start it again at once; its
     restart count after the requeue as ``value``.
 
@@ -107,6 +107,9 @@ def requeue(job: int, *, slurm: Slurm = DEFAULT, start_delay: float = 0.0,
     before = job_info(job, slurm=slurm)
     if before.value is None:
         return Result(before.outcome, before.message)
+    if expect is not None and before.value.restarts > expect:  # another node was first
+        return Result(Outcome.OK, f"job {job} was requeued already (restart "
+                      f"{before.value.restarts}): not again", (), before.value.restarts)
     asked = run(slurm, ["scontrol", "requeue", "Incomplete", str(job)])
     requeued_at = time.time()
     if not asked.ok:

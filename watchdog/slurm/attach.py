@@ -22,6 +22,7 @@ from trainwatch.actions.launch import begin_attempt
 from trainwatch.config import slurmwatch
 from trainwatch.config.schema import Job, SlurmWatch
 from trainwatch.host.access import Peer, Refused
+from trainwatch.slurm import requeue
 from trainwatch.slurm.command import Slurm
 from trainwatch.slurm.proof import Proven
 from trainwatch.slurm.register import RETRY
@@ -109,7 +110,10 @@ def join(r: JobRunner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
         return None
     r.number = proven.restarts
     cp = r.catalog.last_good()
-    a = StepAttempt.attach(r.job, proven, cp.path if cp else None, cp.step if cp else None,
-                           None, slurm)
+    path, step = (cp.path, cp.step) if cp is not None else (None, None)
+    if (rec := requeue.decided(r, proven.restarts)) is not None:  # every node's choice
+        path, step = rec.resume_path, rec.resume_step
+        cp = next((e for e in r.catalog.known() if e.step == step and e.path == path), None)
+    a = StepAttempt.attach(r.job, proven, path, step, None, slurm)
     begin_attempt(r, a, cp, "attached")
     return a

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -38,8 +39,12 @@ _ENDED_OK = "COMPLETED"
 _STILL = frozenset({"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED"})
 
 
-def verdict(info: JobInfo) -> int | None:
-    """The returncode an ended job stands for; None while it still runs."""
+def verdict(info: JobInfo, run: int) -> int | None:
+    """The returncode run ``run`` of the job stands for once it has ended; None
+    while it still runs. A run requeued since (by another node, or Slurm) was
+    ended by Slurm's SIGTERM."""
+    if info.restarts > run:
+        return -int(signal.SIGTERM)
     if info.state in _STILL:
         return None
     code = info.exit_code
@@ -60,6 +65,7 @@ class StepAttempt(Attempt):
     _asking: threading.Thread | None
     _info: JobInfo | None
     _slurm: Slurm
+    requeue: Any  # slurm/requeue.py's Asked, once a requeue of this run was asked
 
     @classmethod
     def attach(cls, job: Job, proven: Proven, resume_from: str | None,
@@ -82,6 +88,7 @@ class StepAttempt(Attempt):
         self._asking = None
         self._info = None
         self._slurm = slurm
+        self.requeue = None
         return self
 
     def add(self, proven: Proven) -> bool:
@@ -100,7 +107,7 @@ class StepAttempt(Attempt):
             self._alive_at = now
             return None
         info = self._info
-        code = verdict(info) if info is not None else None
+        code = verdict(info, self.number) if info is not None else None
         if code is not None:
             self.returncode, self.exited_at = code, self._alive_at
             log.info("job %s: its tasks on this node are gone; Slurm says %s (exit %s): "
