@@ -213,7 +213,8 @@ def test_a_beat_without_loss_keeps_the_exported_loss_and_its_step(ws: Workspace)
         "    hb.beat(step, loss=1.0 / step if step % 10 == 0 else None)\n"
         "    time.sleep(0.02)\n")
     scrape = _run(ws, {"command": [sys.executable, str(script)]})
-    wait_for(lambda: (scrape.get("trainwatch_job_step", job="job") or 0) >= 25, what="step 25")
+    wait_for(lambda: (scrape.get("trainwatch_job_step", job="job") or 0) >= 25, timeout=60,
+             what="step 25")
     for _ in range(5):  # whatever the scrape lands on, beats with and without loss
         loss = scrape.get("trainwatch_job_loss", job="job")
         at = scrape.get("trainwatch_job_loss_step", job="job")

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,13 @@ class Node:
     """One node's trainwatch daemon (`--host <node>`, its own state and run dirs)."""
 
     def __init__(self, cluster: SlurmCluster, name: str, root: Path,
-                 timeout: str = "60s") -> None:
+                 timeout: str = "60s", gpus: int = 0) -> None:
         self.name, self.root = name, root / name
         self.root.mkdir(parents=True)
         cfg = {"state_dir": str(self.root / "state"), "run_dir": str(self.root / "run"),
-               "metrics": {"port": 0}, "gpu": {"backend": "off", "kmsg": None}, "jobs": [],
+               "metrics": {"port": 0}, "jobs": [],
+               "gpu": {"backend": "sim", "count": gpus, "kmsg": None, "poll_interval": "0.2s"}
+               if gpus else {"backend": "off", "kmsg": None},
                "slurm": {"node": name, "conf": str(cluster.conf), "job": {
                    "checkpoints": {"pattern": "step_{step}", "quiet_for": "1s"},
                    "heartbeat": {"timeout": timeout}}}}
@@ -105,7 +108,8 @@ def cluster() -> Iterator[SlurmCluster]:
 @pytest.fixture
 def nodes(cluster: SlurmCluster, tmp_path: Path,
           request: pytest.FixtureRequest) -> Iterator[dict[str, Node]]:
-    ns = {n: Node(cluster, n, tmp_path, getattr(request, "param", "60s")) for n in NODES}
+    timeout, gpus = getattr(request, "param", ("60s", 0))
+    ns = {n: Node(cluster, n, tmp_path, timeout, gpus) for n in NODES}
     try:
         for n in ns.values():
             wait_for(lambda n=n: (n.root / "run" / "control.sock").exists(), timeout=60,
@@ -187,7 +191,7 @@ def test_a_rank_that_claims_another_jobs_place_is_refused(
         cluster.cancel(job)
 
 
-@pytest.mark.parametrize("nodes", ["3s"], indirect=True)
+@pytest.mark.parametrize("nodes", [("3s", 0)], indirect=True)
 def test_a_stopped_rank_is_requeued_through_slurm_and_both_nodes_resume_from_one_checkpoint(
         cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
     """Rank 1 stopped (SIGSTOP) on its node: that node's daemon sees the hang,
@@ -222,7 +226,7 @@ def test_a_stopped_rank_is_requeued_through_slurm_and_both_nodes_resume_from_one
         cluster.cancel(job)
 
 
-@pytest.mark.parametrize("nodes", ["3s"], indirect=True)
+@pytest.mark.parametrize("nodes", [("3s", 0)], indirect=True)
 def test_a_job_slurm_will_not_requeue_is_one_loud_incident_and_no_retry(
         cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
     """`sbatch --no-requeue`: the hang's requeue is refused by Slurm; the incident
@@ -249,3 +253,87 @@ def test_a_job_slurm_will_not_requeue_is_one_loud_incident_and_no_retry(
         raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
     finally:
         cluster.cancel(job)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                          timeout=60, check=False)
+
+
+@pytest.mark.parametrize("nodes", [("60s", 1)], indirect=True)
+def test_an_xid_drains_its_node_and_the_node_resumes_only_after_its_pre_flight(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """Xid 79 on n2's (simulated) GPU: n2 is drained with a `trainwatch:` reason
+    and the job requeued; with one node left it waits (PENDING) while n2's
+    pre-flight fails; once the GPU is cleared the pre-flight passes, trainwatch
+    resumes n2 and the job runs again on both nodes."""
+    job, _ = _submit(cluster, tmp_path, 100_000)
+    name = f"slurm-{job}"
+    n2 = nodes["n2"]
+    try:
+        for n in nodes.values():
+            wait_for(lambda n=n: (n.status(name).get("step") or 0) >= 25, timeout=120,
+                     what=f"{name} at step 25 on {n.name}")
+        p = _cli("faultinject.cli", "gpu-xid", "--gpu", "0", "--xid", "79",
+                 "--run-dir", str(n2.root / "run"))
+        assert p.returncode == 0, p.stderr
+        node = wait_for(lambda: (x := cluster.node("n2")).get("Reason", "").startswith(
+            "trainwatch:") and x, timeout=60, what="n2 drained by trainwatch")
+        assert "DRAIN" in node["State"] and "79 on GPU 0" in node["Reason"], node
+        wait_for(lambda: cluster.job(job).get("Restarts") == "1", timeout=60,
+                 what="the job requeued")
+        time.sleep(5)  # pre-flights every 2 s meanwhile, each failing on the broken GPU
+        assert cluster.job(job)["JobState"] == "PENDING", cluster.job(job)
+        assert "DRAIN" in cluster.node("n2")["State"]
+        assert "stays drained: pre-flight of GPUs 0" in n2.output()
+        clear = _cli("trainwatch.cli", "clear-gpu", "0", "--run-dir", str(n2.root / "run"))
+        assert clear.returncode == 0, clear.stderr
+        for n in nodes.values():
+            wait_for(lambda n=n: n.status(name).get("state") == "running"
+                     and n.status(name).get("attempt") == 1, timeout=120,
+                     what=f"{name}'s run 1 running on {n.name}")
+        assert "DRAIN" not in cluster.node("n2")["State"], cluster.node("n2")
+        [xid] = n2.incidents(name)
+        assert xid["kind"] == "gpu_xid" and "n2 drained: trainwatch:" in \
+            xid["evidence"]["slurm_drain"], xid
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    finally:
+        cluster.cancel(job)
+        cluster.scontrol("update", "NodeName=n2", "State=RESUME", check=False)
+
+
+@pytest.mark.parametrize("nodes", [("60s", 1)], indirect=True)
+def test_an_operators_drain_is_never_undone(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """n2 drained by an operator while the job runs, then an Xid there: trainwatch
+    leaves the operator's drain as it is (no drain over it), requeues, and after
+    the GPU is cleared and passes its pre-flight it still does not resume n2."""
+    job, _ = _submit(cluster, tmp_path, 100_000)
+    name = f"slurm-{job}"
+    n2 = nodes["n2"]
+    try:
+        for n in nodes.values():
+            wait_for(lambda n=n: (n.status(name).get("step") or 0) >= 25, timeout=120,
+                     what=f"{name} at step 25 on {n.name}")
+        cluster.scontrol("update", "NodeName=n2", "State=DRAIN", "Reason=maintenance")
+        p = _cli("faultinject.cli", "gpu-xid", "--gpu", "0", "--xid", "79",
+                 "--run-dir", str(n2.root / "run"))
+        assert p.returncode == 0, p.stderr
+        wait_for(lambda: cluster.job(job).get("Restarts") == "1", timeout=60,
+                 what="the job requeued")
+        [xid] = wait_for(lambda: [i for i in n2.incidents(name)
+                                  if "slurm_drain" in i["evidence"]], timeout=60,
+                         what="the drain's outcome in the incident")
+        assert "left as it is" in xid["evidence"]["slurm_drain"], xid
+        clear = _cli("trainwatch.cli", "clear-gpu", "0", "--run-dir", str(n2.root / "run"))
+        assert clear.returncode == 0, clear.stderr
+        time.sleep(6)  # pre-flights every 2 s: none resumes a drain that is not ours
+        node = cluster.node("n2")
+        assert "DRAIN" in node["State"] and node["Reason"].startswith("maintenance"), node
+        assert cluster.job(job)["JobState"] == "PENDING", cluster.job(job)
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    finally:
+        cluster.cancel(job)
+        cluster.scontrol("update", "NodeName=n2", "State=RESUME", check=False)

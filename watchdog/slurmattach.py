@@ -270,9 +270,10 @@ def attach(run_dir: str | None = None, timeout: float | None = None,
     """Register this Slurm step's rank with the node's trainwatch daemon and,
     once the daemon has proved it, put the job's variables into os.environ
     (TRAINWATCH_SOCKET, _JOB, _ATTEMPT, _RING_DIR, _RESUME_FROM; RANK when
-    unset). ``checkpoints_dir`` defaults to TRAINWATCH_CHECKPOINT_DIR. Returns the daemon's reply, or None: quietly when this is not a
-    Slurm step, else after one line on stderr. Never raises; returns by the
-    deadline (``timeout``, else TRAINWATCH_ATTACH_TIMEOUT, else 10 s)."""
+    unset); ``checkpoints_dir`` defaults to TRAINWATCH_CHECKPOINT_DIR. Returns
+    the daemon's reply, or None: quietly when this is not a Slurm step, else
+    after one line on stderr. Never raises; returns by the deadline
+    (``timeout``, else TRAINWATCH_ATTACH_TIMEOUT, else 10 s)."""
     env = os.environ
     claimed = claim(env)
     if claimed is None:

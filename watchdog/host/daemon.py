@@ -27,7 +27,7 @@ from trainwatch.config import Config, ConfigError, load, slurmwatch
 from trainwatch.host.service import Service
 from trainwatch.host.supervisor import Supervisor
 from trainwatch.lifecycle.job import JobRunner
-from trainwatch.slurm import register
+from trainwatch.slurm import node, register
 from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")
@@ -55,9 +55,14 @@ class Daemon(Supervisor):
                                seconds=5.0, id="reap")
         self._status_at = 0.0
         # Ranks of Slurm jobs attach over the control socket (slurm/attach.py).
-        self.registry = (register.Registry(config.slurm.node,
-                                           register.prover(slurmwatch.command(config.slurm)))
-                         if config.slurm is not None else None)
+        self.registry = None
+        if config.slurm is not None:
+            slurm = slurmwatch.command(config.slurm)
+            self.registry = register.Registry(config.slurm.node, register.prover(slurm))
+            health = node.NodeHealth(config.slurm.node, slurm, self.gpus, config.gpu.backend,
+                                     self.lock)
+            node.serve(health)  # told of a drain by a requeue (slurm/requeue.py)
+            self.scheduler.add_job(health.tick, "interval", seconds=2.0, id="slurm-node")
 
     # --- the loop's edges ------------------------------------------------------
 

@@ -146,7 +146,7 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
     if action is Action.RESTART_EXCLUDE_GPU:
         exclude(r, fault)
         left = r.gpus()
-        if left is not None and len(left) < r.job.gpus.min:
+        if left is not None and len(left) < r.job.gpus.min and r.job.slurm is None:
             waits = None if fatal else leave.leave(r, fault, incident)
             if waits is not None:  # a multi-host job: this host leaves its group
                 stop(JobState.BACKOFF, f"{fault.kind.value}: {waits}",
@@ -166,7 +166,8 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
         stop(JobState.FATAL, f"{fault.kind.value}: {reason}")
         return
     charged = plan is None or plan.widening == 0
-    if requeue.act(r, fault, incident, reason, capture):  # a Slurm job: through Slurm
+    if requeue.act(r, fault, incident, reason, capture,  # a Slurm job: through Slurm
+                   drain=action is Action.RESTART_EXCLUDE_GPU):
         return
     if group.act(r, fault, incident, reason, charged, capture):  # a job across hosts
         return

@@ -106,7 +106,7 @@ def join(r: JobRunner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
         a.ended(0 if a.number == proven.restarts else 1)
         if r.state in _LIVE:
             exits.check(r)
-    if r.state is JobState.STOPPING:
+    if r.state is JobState.STOPPING or not requeue.settled(r):
         return None
     r.number = proven.restarts
     cp = r.catalog.last_good()

@@ -24,7 +24,7 @@ from trainwatch.actions import stop as stopping
 from trainwatch.config import slurmwatch
 from trainwatch.evidence.capture import Capture
 from trainwatch.multihost import records
-from trainwatch.slurm import actions
+from trainwatch.slurm import actions, node
 from trainwatch.slurm.command import Outcome, Result
 from trainwatch.slurm.stepattempt import StepAttempt
 from trainwatch.types import Fault, JobState
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("trainwatch")
 
+SETTLE_WAIT = 5.0  # seconds the next run's ranks wait for the requeue's outcome
+
 
 @dataclass
 class Asked:
@@ -41,13 +43,16 @@ class Asked:
 
     incident: int
     result: Result[int] | None = None
+    drain: Result[None] | None = None
+    waited_since: float | None = None  # the next run's first rank, waiting for the outcome
     told: bool = False
 
 
 def act(r: Runner, fault: Fault, incident: int | None, reason: str,
-        capture: Capture | None) -> bool:
+        capture: Capture | None, drain: bool = False) -> bool:
     """For an attached job: requeue it (or record that it ended or was requeued
-    already) and stop watching this run. False for a job trainwatch launched."""
+    already) and stop watching this run; first, with ``drain`` (a GPU to leave
+    out), drain this node. False for a job trainwatch launched."""
     a = r.attempt
     if r.job.slurm is None or not isinstance(a, StepAttempt):
         return False
@@ -65,7 +70,16 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str,
         a.requeue = asked
         a.tasks.awaiting = True  # the stop waits for Slurm to end the tasks
 
+        gpu = fault.gpu if drain else None
+        why = f"{fault.kind.value} {fault.evidence.get('xid', '')} on GPU {gpu} (job {job})"
+
         def work() -> None:
+            if gpu is not None:
+                asked.drain = d = actions.drain(settings.node, why.replace("  ", " "),
+                                                slurm=slurm)
+                health = node.this()
+                if "drain" in d.done and health is not None:
+                    health.drained([gpu])
             result = actions.requeue(job, slurm=slurm, expect=run)
             if result.outcome is not Outcome.OK:
                 a.tasks.awaiting = False  # nothing will end them: the stop ends now
@@ -108,6 +122,24 @@ def decided(r: Runner, run: int) -> records.Restart | None:
     return rec if rec is not None and rec.gen == run else None
 
 
+def settled(r: Runner) -> bool:
+    """Before the next run begins: the requeue's outcome is in its incident. The
+    next run may attach before the requeue's thread has returned (it started the
+    job at once): its ranks wait (asked again) up to SETTLE_WAIT seconds."""
+    a = r.attempt
+    asked = a.requeue if isinstance(a, StepAttempt) else None
+    if asked is None or asked.told:
+        return True
+    if asked.result is None:
+        if asked.waited_since is None:
+            asked.waited_since = r.clock()
+        if r.clock() - asked.waited_since < SETTLE_WAIT:
+            return False
+        return True  # the thread is stuck in Slurm: its outcome comes with the next tick
+    waits(r)
+    return True
+
+
 def waits(r: Runner) -> None:
     """In BACKOFF, each second until the next run attaches: the requeue's outcome
     into the incident (once), FATAL where Slurm did not requeue it."""
@@ -120,12 +152,18 @@ def waits(r: Runner) -> None:
     ok = res.outcome is Outcome.OK
     r.events.slurm_requeues.labels(r.job.name, res.outcome.value).inc()
     if asked.incident >= 0:
-        r.ledger.amend(asked.incident, {"slurm": res.message, "slurm_outcome":
-                                        res.outcome.value}, None)
+        said = {"slurm": res.message, "slurm_outcome": res.outcome.value}
+        if asked.drain is not None:
+            said["slurm_drain"] = asked.drain.message
+        r.ledger.amend(asked.incident, said, None)
+    if asked.drain is not None:
+        (log.warning if asked.drain.ok else log.error)("job %s: %s", r.job.name,
+                                                       asked.drain.message)
     if ok:
         log.warning("job %s: %s", r.job.name, res.message)
         return
     log.error("job %s: Slurm job %s was not requeued (%s): left to Slurm", r.job.name, job,
               res.message)
-    r.pending_incident = None
-    r.to(JobState.FATAL, f"not requeued: {res.message}")
+    if r.state is JobState.BACKOFF:
+        r.pending_incident = None
+        r.to(JobState.FATAL, f"not requeued: {res.message}")
