@@ -22,6 +22,7 @@ _TRAINER = textwrap.dedent(
     import json, os, random, sys, time
     from trainwatch import client
     ckpt, journal, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    hold = sys.argv[4] if len(sys.argv) > 4 else None  # after the first beat, until it exists
     start = 0
     if client.resume_from():
         start = int(open(client.resume_from()).read())
@@ -37,6 +38,8 @@ _TRAINER = textwrap.dedent(
             hb.beat(step)
             continue
         hb.beat(step, loss=2.0 / (1 + 0.01 * step), grad_norm=0.5 * (1 + 0.05 * rng.random()))
+        while hold and not os.path.exists(hold):
+            time.sleep(0.02)
         if step % 5 == 0:
             path = os.path.join(ckpt, f"step_{step}")
             with open(path + ".tmp", "w") as f:
@@ -47,12 +50,12 @@ _TRAINER = textwrap.dedent(
 )
 
 
-def _start(ws: Workspace, steps: int, warmup: int = 100) -> Path:
+def _start(ws: Workspace, steps: int, warmup: int = 100, hold: Path | None = None) -> Path:
     script = ws.root / "trainer.py"
     script.write_text(_TRAINER)
     journal = ws.root / "journal.jsonl"
     cfg = ws.config({"command": [sys.executable, str(script), str(ws.ckpt), str(journal),
-                                 str(steps)],
+                                 str(steps), *([str(hold)] if hold else [])],
                      "resume_args": [],
                      "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}"},
                      "anomalies": {"warmup_steps": warmup}})
@@ -93,12 +96,14 @@ def test_faultinject_grad_spike_is_refused_in_warm_up_then_acts(ws: Workspace) -
     """`faultinject grad-spike` before the detectors have their statistics: refused in
     one line (exit 2); once warm, the default run of x100 grad norms is a sustained
     grad_norm_outlier: alerted, then acted on with a rollback, marked injected."""
-    journal = _start(ws, steps=800)
+    hold = ws.root / "go"  # the trainer waits after its first beat: still warming up
+    journal = _start(ws, steps=800, hold=hold)
     wait_for(lambda: ws.status().get("state") == "running", what="the first beat")
     early = ws.faultinject("grad-spike")
     assert early.returncode == 2 and early.stdout == "", early
     assert early.stderr.count("\n") == 1 and "no grad-norm statistics yet" in early.stderr, \
         early.stderr
+    hold.touch()
 
     def spiked() -> str | None:
         p = ws.faultinject("grad-spike", "--scale", "100")

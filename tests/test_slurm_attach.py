@@ -198,7 +198,7 @@ def test_a_stopped_rank_is_requeued_through_slurm_and_both_nodes_resume_from_one
     requeues the job through Slurm and has it started at once; Slurm ends both
     ranks, the next run (restart 1) attaches on both nodes and resumes from the
     newest checkpoint judged before the hang, the same on both."""
-    job, ckpt = _submit(cluster, tmp_path, 100_000)
+    job, _ = _submit(cluster, tmp_path, 100_000)
     name = f"slurm-{job}"
     try:
         for n in nodes.values():

@@ -133,9 +133,8 @@ def settled(r: Runner) -> bool:
     if asked.result is None:
         if asked.waited_since is None:
             asked.waited_since = r.clock()
-        if r.clock() - asked.waited_since < SETTLE_WAIT:
-            return False
-        return True  # the thread is stuck in Slurm: its outcome comes with the next tick
+        # Past it, the thread is stuck in Slurm: the run begins, the outcome comes later.
+        return r.clock() - asked.waited_since >= SETTLE_WAIT
     waits(r)
     return True
 
