@@ -134,7 +134,7 @@ def settled(r: Runner) -> bool:
         if asked.waited_since is None:
             asked.waited_since = r.clock()
         # Past it, the thread is stuck in Slurm: the run begins, the outcome comes later.
-        return r.clock() - asked.waited_since >= SETTLE_WAIT
+        return bool(r.clock() - asked.waited_since >= SETTLE_WAIT)
     waits(r)
     return True
 
