@@ -140,6 +140,20 @@ def _story(cluster: SlurmCluster, job: int, nodes: dict[str, Node]) -> str:
             "\n".join(f"{n.name}:\n{n.output()[-3000:]}" for n in nodes.values()))
 
 
+def _at_step(nodes: dict[str, Node], name: str, step: int) -> None:
+    for n in nodes.values():
+        wait_for(lambda n=n: (n.status(name).get("step") or 0) >= step, timeout=120,
+                 what=f"{name} at step {step} on {n.name}")
+
+
+def _stop_rank_1(nodes: dict[str, Node], name: str) -> tuple[str, int]:
+    """SIGSTOP rank 1 wherever it runs; (its node, its pid)."""
+    where = {n.name: n.status(name)["ranks"] for n in nodes.values()}
+    host, ranks = next((h, r) for h, r in where.items() if "1" in r)
+    os.kill(int(ranks["1"]), signal.SIGSTOP)
+    return host, int(ranks["1"])
+
+
 def test_both_ranks_attach_are_watched_and_end_as_slurm_judged(
         cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
     """Rank 0 on one node, rank 1 on the other: each node's daemon watches
@@ -201,12 +215,8 @@ def test_a_stopped_rank_is_requeued_through_slurm_and_both_nodes_resume_from_one
     job, _ = _submit(cluster, tmp_path, 100_000)
     name = f"slurm-{job}"
     try:
-        for n in nodes.values():
-            wait_for(lambda n=n: (n.status(name).get("step") or 0) >= 35, timeout=120,
-                     what=f"{name} at step 35 on {n.name}")
-        where = {n.name: n.status(name)["ranks"] for n in nodes.values()}
-        host, ranks = next((h, r) for h, r in where.items() if "1" in r)
-        os.kill(int(ranks["1"]), signal.SIGSTOP)
+        _at_step(nodes, name, 35)
+        host, _ = _stop_rank_1(nodes, name)
         for n in nodes.values():
             wait_for(lambda n=n: n.status(name).get("state") == "running"
                      and n.status(name).get("attempt") == 1, timeout=120,
@@ -234,13 +244,9 @@ def test_a_job_slurm_will_not_requeue_is_one_loud_incident_and_no_retry(
     job, _ = _submit(cluster, tmp_path, 100_000, "--no-requeue")
     name = f"slurm-{job}"
     try:
-        for n in nodes.values():
-            wait_for(lambda n=n: (n.status(name).get("step") or 0) >= 5, timeout=120,
-                     what=f"{name} at step 5 on {n.name}")
-        where = {n.name: n.status(name)["ranks"] for n in nodes.values()}
-        host, ranks = next((h, r) for h, r in where.items() if "1" in r)
+        _at_step(nodes, name, 5)
+        host, pid = _stop_rank_1(nodes, name)
         node = nodes[host]
-        os.kill(int(ranks["1"]), signal.SIGSTOP)
         wait_for(lambda: node.status(name).get("state") == "fatal", timeout=120,
                  what=f"{name} fatal on {host}")
         [hang] = node.incidents(name)
@@ -248,7 +254,7 @@ def test_a_job_slurm_will_not_requeue_is_one_loud_incident_and_no_retry(
         assert "was not requeued" in node.output()
         assert cluster.job(job).get("Restarts") == "0", cluster.job(job)
         assert node.output().count("requeue of Slurm job") == 1
-        os.kill(int(ranks["1"]), signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
     except (AssertionError, ValueError, TypeError, KeyError) as e:
         raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
     finally:
@@ -271,9 +277,7 @@ def test_an_xid_drains_its_node_and_the_node_resumes_only_after_its_pre_flight(
     name = f"slurm-{job}"
     n2 = nodes["n2"]
     try:
-        for n in nodes.values():
-            wait_for(lambda n=n: (n.status(name).get("step") or 0) >= 25, timeout=120,
-                     what=f"{name} at step 25 on {n.name}")
+        _at_step(nodes, name, 25)
         p = _cli("faultinject.cli", "gpu-xid", "--gpu", "0", "--xid", "79",
                  "--run-dir", str(n2.root / "run"))
         assert p.returncode == 0, p.stderr
@@ -313,9 +317,7 @@ def test_an_operators_drain_is_never_undone(
     name = f"slurm-{job}"
     n2 = nodes["n2"]
     try:
-        for n in nodes.values():
-            wait_for(lambda n=n: (n.status(name).get("step") or 0) >= 25, timeout=120,
-                     what=f"{name} at step 25 on {n.name}")
+        _at_step(nodes, name, 25)
         cluster.scontrol("update", "NodeName=n2", "State=DRAIN", "Reason=maintenance")
         p = _cli("faultinject.cli", "gpu-xid", "--gpu", "0", "--xid", "79",
                  "--run-dir", str(n2.root / "run"))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwatch.actions.attempt import Attempt
+from trainwatch.actions.tree import proc_stat
 from trainwatch.config import Job
 from trainwatch.slurm import actions
 from trainwatch.slurm.command import Outcome, Slurm
@@ -75,7 +76,9 @@ class StepAttempt(Attempt):
         self.slurm_job, self.slurm_step = proven.job, proven.step
         self.tree = self.tasks = StepTree(job.name, [(proven.task_pid, proven.task_start)])
         self.pid = self.tasks.leader
-        self.pidfd = self.keeper_fd = None  # polled (job.py's tick): the tasks are not ours
+        self.keeper_fd = None
+        # Readable when the first task exits (a pidfd needs no parent); then polled.
+        self.pidfd = _pidfd(proven.task_pid, proven.task_start)
         self.cgroup = None
         self.follower = None
         self.log_path = NO_LOG
@@ -136,13 +139,31 @@ class StepAttempt(Attempt):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._close_fds()
             self.tree.close()
 
     def release(self) -> None:
+        self._close_fds()
         self.closed = True
 
     def exit_seen(self) -> None:
-        """No pidfd: nothing to do."""
+        """The first task exited: the others, and Slurm's verdict, are polled."""
+        if self.returncode is None and self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+def _pidfd(pid: int, start: int) -> int | None:
+    """A pidfd of the task, if pid is still the process proven (its start time)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None
+    st = proc_stat(pid)
+    if st is None or st[2] != start:  # checked after opening: the fd holds that process
+        os.close(fd)
+        return None
+    return fd
 
 
 __all__ = ["NO_LOG", "StepAttempt", "verdict"]
