@@ -121,7 +121,7 @@ def nodes(cluster: SlurmCluster, tmp_path: Path,
 
 
 def _submit(cluster: SlurmCluster, tmp_path: Path, steps: int,
-            *opts: str) -> tuple[int, Path]:
+            *opts: str, srun: str = "") -> tuple[int, Path]:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir(exist_ok=True)
     (tmp_path / "train.py").write_text(TRAINER)
@@ -129,7 +129,7 @@ def _submit(cluster: SlurmCluster, tmp_path: Path, steps: int,
     script = (f"#!/bin/sh\nexport TRAINWATCH_RUN_DIR='{run_dir}'\n"
               f"export TRAINWATCH_CHECKPOINT_DIR='{ckpt}'\n"
               f"export PYTHONPATH='{os.pathsep.join(sys.path[1:])}'\n"
-              f"srun -N2 -n2 {sys.executable} {tmp_path / 'train.py'} {ckpt} {steps}\n")
+              f"srun -N2 -n2 {srun} {sys.executable} {tmp_path / 'train.py'} {ckpt} {steps}\n")
     return cluster.sbatch(script, "-N2", "-n2", *opts), ckpt
 
 
@@ -339,3 +339,62 @@ def test_an_operators_drain_is_never_undone(
     finally:
         cluster.cancel(job)
         cluster.scontrol("update", "NodeName=n2", "State=RESUME", check=False)
+
+
+def test_a_crashed_rank_is_slurms_to_handle_and_recorded_on_both_nodes(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """Rank 1 SIGKILLed under `srun --kill-on-bad-exit=1`: Slurm ends the step and the
+    job FAILED; each node records a crash of slurm-J from Slurm's verdict (never a
+    clean end), and nothing is requeued (Slurm's own handling)."""
+    job, _ = _submit(cluster, tmp_path, 100_000, srun="--kill-on-bad-exit=1")
+    name = f"slurm-{job}"
+    try:
+        _at_step(nodes, name, 10)
+        host, pid = _stop_rank_1(nodes, name)
+        os.kill(pid, signal.SIGKILL)
+        assert cluster.wait_ended(job)["JobState"] == "FAILED", cluster.job(job)
+        for n in nodes.values():
+            [crash] = wait_for(lambda n=n: n.incidents(name), timeout=60,
+                               what=f"the crash's incident on {n.name}")
+            assert crash["kind"] == "crash", crash
+            assert crash["evidence"]["exit_code"] != 0, crash
+            wait_for(lambda n=n: n.status(name).get("state") in ("backoff", "fatal"),
+                     timeout=30, what=f"{name} done on {n.name}")
+        assert cluster.job(job).get("Restarts") == "0", cluster.job(job)
+        assert "requeue of Slurm job" not in nodes[host].output()
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    finally:
+        cluster.cancel(job)
+
+
+def test_a_trainer_without_the_client_is_attached_by_trainwatch_attach(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """`srun trainwatch attach -- python plain.py`: each rank is attached before its
+    trainer starts (exec: the same pid, so the proof holds for it), watched as
+    slurm-J, and ends as Slurm judged (exited)."""
+    plain = tmp_path / "plain.py"
+    plain.write_text("import os, time\nprint('plain', os.getpid(), flush=True)\n"
+                     "time.sleep(6)\n")
+    run_dir = str(tmp_path / "{node}" / "run")
+    script = (f"#!/bin/sh\nexport TRAINWATCH_RUN_DIR='{run_dir}'\n"
+              f"export PYTHONPATH='{os.pathsep.join(sys.path[1:])}'\n"
+              f"srun -N2 -n2 {sys.executable} -m trainwatch.cli attach -- "
+              f"{sys.executable} {plain}\n")
+    job = cluster.sbatch(script, "-N2", "-n2")
+    name = f"slurm-{job}"
+    try:
+        for n in nodes.values():
+            st = wait_for(lambda n=n: (s := n.status(name)).get("state") in
+                          ("starting", "running") and s, timeout=90,
+                          what=f"{name} watched on {n.name}")
+            assert st["attempt"] == 0, st
+        assert cluster.wait_ended(job)["JobState"] == "COMPLETED"
+        for n in nodes.values():
+            wait_for(lambda n=n: n.status(name).get("state") == "exited", timeout=60,
+                     what=f"{name} exited on {n.name}")
+        out = (cluster.root / "jobs" / f"{job}.out").read_text()
+        pids = {int(x.split()[1]) for x in out.splitlines() if x.startswith("plain ")}
+        assert pids == {nodes[n].status(name)["pid"] for n in nodes}, (pids, out)
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
