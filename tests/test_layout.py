@@ -92,8 +92,9 @@ def test_no_module_the_job_imports_imports_the_job_back() -> None:
 
 
 def test_package_root_holds_only_the_client_the_vocabulary_and_folders() -> None:
-    """The package root: __init__.py, client.py, types.py (and py.typed); the rest in folders."""
+    """The package root: __init__.py, the client (client.py, and slurmattach.py, its
+    side in a Slurm step), types.py (and py.typed); the rest in folders."""
     files = sorted(p.name for p in PACKAGE.iterdir() if not p.is_dir())
-    assert files == ["__init__.py", "client.py", "py.typed", "types.py"]
+    assert files == ["__init__.py", "client.py", "py.typed", "slurmattach.py", "types.py"]
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir()}
     assert {"actions", "host", "lifecycle", "watch", "cli"} <= folders

@@ -50,14 +50,16 @@ class Node:
     """One node's trainwatch daemon (`--host <node>`, its own state and run dirs)."""
 
     def __init__(self, cluster: SlurmCluster, name: str, root: Path,
-                 timeout: str = "60s", gpus: int = 0) -> None:
+                 timeout: str = "60s", gpus: int = 0, restarts: int = 5) -> None:
         self.name, self.root = name, root / name
         self.root.mkdir(parents=True)
         cfg = {"state_dir": str(self.root / "state"), "run_dir": str(self.root / "run"),
                "metrics": {"port": 0}, "jobs": [],
+               "policies": {"slurm": {"max_restarts": restarts}},
                "gpu": {"backend": "sim", "count": gpus, "kmsg": None, "poll_interval": "0.2s"}
                if gpus else {"backend": "off", "kmsg": None},
                "slurm": {"node": name, "conf": str(cluster.conf), "job": {
+                   "policy": "slurm",
                    "checkpoints": {"pattern": "step_{step}", "quiet_for": "1s"},
                    "heartbeat": {"timeout": timeout}}}}
         path = self.root / "trainwatch.yaml"
@@ -108,8 +110,8 @@ def cluster() -> Iterator[SlurmCluster]:
 @pytest.fixture
 def nodes(cluster: SlurmCluster, tmp_path: Path,
           request: pytest.FixtureRequest) -> Iterator[dict[str, Node]]:
-    timeout, gpus = getattr(request, "param", ("60s", 0))
-    ns = {n: Node(cluster, n, tmp_path, timeout, gpus) for n in NODES}
+    timeout, gpus, *restarts = getattr(request, "param", ("60s", 0))
+    ns = {n: Node(cluster, n, tmp_path, timeout, gpus, *restarts) for n in NODES}
     try:
         for n in ns.values():
             wait_for(lambda n=n: (n.root / "run" / "control.sock").exists(), timeout=60,
@@ -148,10 +150,11 @@ def _at_step(nodes: dict[str, Node], name: str, step: int) -> None:
 
 def _stop_rank_1(nodes: dict[str, Node], name: str) -> tuple[str, int]:
     """SIGSTOP rank 1 wherever it runs; (its node, its pid)."""
-    where = {n.name: n.status(name)["ranks"] for n in nodes.values()}
-    host, ranks = next((h, r) for h, r in where.items() if "1" in r)
-    os.kill(int(ranks["1"]), signal.SIGSTOP)
-    return host, int(ranks["1"])
+    host, pid = wait_for(lambda: next(((n.name, int(r["1"])) for n in nodes.values()
+                                       if "1" in (r := n.status(name).get("ranks") or {})),
+                                      None), timeout=60, what="rank 1's pid")
+    os.kill(pid, signal.SIGSTOP)
+    return host, pid
 
 
 def test_both_ranks_attach_are_watched_and_end_as_slurm_judged(
@@ -398,3 +401,34 @@ def test_a_trainer_without_the_client_is_attached_by_trainwatch_attach(
         assert pids == {nodes[n].status(name)["pid"] for n in nodes}, (pids, out)
     except (AssertionError, ValueError, TypeError, KeyError) as e:
         raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+
+
+@pytest.mark.parametrize("nodes", [("3s", 0, 1)], indirect=True)
+def test_the_restart_budget_is_slurms_restart_count(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """max_restarts 1: the first stopped rank is requeued (Restarts=1); the next,
+    in run 1, is not: the budget is spent, the job is FATAL here and left to
+    Slurm (still Restarts=1)."""
+    job, _ = _submit(cluster, tmp_path, 100_000)
+    name = f"slurm-{job}"
+    try:
+        _at_step(nodes, name, 10)
+        _stop_rank_1(nodes, name)
+        for n in nodes.values():
+            wait_for(lambda n=n: n.status(name).get("attempt") == 1
+                     and (n.status(name).get("step") or 0) >= 10, timeout=120,
+                     what=f"{name}'s run 1 stepping on {n.name}")
+        host, pid = _stop_rank_1(nodes, name)
+        node = nodes[host]
+        wait_for(lambda: node.status(name).get("state") == "fatal", timeout=60,
+                 what=f"{name} fatal on {host}")
+        last = node.incidents(name)[-1]
+        # This node's own count, or Slurm's where a peer requeued before: both are 1.
+        assert "budget spent" in last["decision"] \
+            or last["evidence"].get("slurm_outcome") == "budget", last
+        assert cluster.job(job).get("Restarts") == "1", cluster.job(job)
+        os.kill(pid, signal.SIGCONT)
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    finally:
+        cluster.cancel(job)

@@ -14,4 +14,12 @@ Slurm's commands.
 - ``proof``: ``prove`` a rank's claim (job, step, rank) before it is believed:
   the peer's SO_PEERCRED, its ancestors in ``/proc``, the job's owner and state,
   and ``scontrol listpids`` on this node.
+- ``register``: proofs off the loop, each rank answered "pending" until its own
+  is in; ``attach``: the ``attach`` op, the job's runner (``slurm-<J>``) made
+  or found and the rank taken into its run.
+- ``step``, ``stepattempt``: a run of the job on this node (its proven tasks,
+  never signalled; its end as Slurm judged it).
+- ``requeue``: recovery through Slurm (the decision where every node resumes,
+  the requeue and its outcome); ``node``: this node drained for a GPU, resumed
+  after a pre-flight, only from trainwatch's own drain.
 """

@@ -7,7 +7,10 @@ Slurm to end them; its next run attaches again (slurm/attach.py), with the
 restart count up by one, and resumes from the last good checkpoint.
 
 A run that has ended already (a crashed rank: Slurm's own handling) or that
-another node (or Slurm) requeued is recorded, not requeued again. A requeue
+another node (or Slurm) requeued is recorded, not requeued again. The restart
+budget is the policy's ``max_restarts`` counted in Slurm's ``Restarts=`` (the
+attempt's number), which every node agrees on: past it the job is left to
+Slurm, FATAL here. A requeue
 Slurm refuses (``--no-requeue``, not a batch job) is said in the incident, in
 one ERROR line and in ``trainwatch_slurm_requeues_total{outcome="refused"}``,
 and the job is left to Slurm (FATAL here): never a retry loop.
@@ -59,8 +62,18 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str,
     settings = r.config.slurm
     job, run, n = r.job.slurm, a.number, incident if incident is not None else -1
     r.pending_incident = incident
+    budget = r.policy.max_restarts
     if a.returncode is not None:  # ended: Slurm's own handling, recorded here
         why = f"{fault.kind.value}: {reason}; Slurm ended run {run}: its next run attaches"
+    elif run >= budget:  # Slurm's restart count, the one every node agrees on
+        why = (f"{fault.kind.value}: not requeued: Slurm requeued job {job} {run} times "
+               f"already (max_restarts {budget})")
+        log.error("job %s: %s", r.job.name, why)
+        if incident is not None and incident >= 0:
+            r.ledger.amend(incident, {"slurm": why, "slurm_outcome": "budget"}, None)
+        r.pending_incident = None
+        stopping.start(r, JobState.FATAL, why, 0.0, capture, n)
+        return True
     elif settings is None:
         why = f"{fault.kind.value}: {reason}; no slurm: settings: not requeued"
     else:
