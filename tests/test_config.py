@@ -574,6 +574,7 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
         "stall", "ceiling", "silence", "idle_cpu",
         "evidence", "kinds", "native", "log_lines", "flight_recorder",
         "verify", "verify_timeout", "keep", "last", "every", "pinned", "min_free_bytes",
+        "slurm", "node", "conf", "forget_after", "job",
     }
     lines = EXAMPLE.read_text().splitlines()
     shown = {m.group(1) for line in lines if (m := re.match(r"\s*(?:- )?(\w+):", line))}

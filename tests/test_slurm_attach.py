@@ -58,7 +58,8 @@ class Node:
                "policies": {"slurm": {"max_restarts": restarts}},
                "gpu": {"backend": "sim", "count": gpus, "kmsg": None, "poll_interval": "0.2s"}
                if gpus else {"backend": "off", "kmsg": None},
-               "slurm": {"node": name, "conf": str(cluster.conf), "job": {
+               "slurm": {"node": name, "conf": str(cluster.conf), "forget_after": "3s",
+                         "job": {
                    "policy": "slurm",
                    "checkpoints": {"pattern": "step_{step}", "quiet_for": "1s"},
                    "heartbeat": {"timeout": timeout}}}}
@@ -181,6 +182,9 @@ def test_both_ranks_attach_are_watched_and_end_as_slurm_judged(
     for n in nodes.values():
         assert "attached (Slurm job" in n.output()
         assert not n.incidents(name), n.incidents(name)
+        # Dropped forget_after (3 s) later: a node's daemon does not keep every job.
+        wait_for(lambda n=n: f"job {name}: exited 3s ago: forgotten" in n.output(),
+                 timeout=60, what=f"{name} forgotten on {n.name}")
 
 
 def test_a_rank_that_claims_another_jobs_place_is_refused(

@@ -205,6 +205,7 @@ class SlurmWatch:
     job: Job  # the template of every attached job
     conf: str | None = None  # SLURM_CONF for scontrol; None: Slurm's own default
     timeout: float = 15.0  # seconds for each Slurm command
+    forget_after: float = 600.0  # an attached job that ended is dropped this long after
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ entry without a name or a command (Slurm launches it, trainwatch never does).
       node: n1          # Slurm's name for this node; default: the host's name
       conf: /etc/slurm/slurm.conf   # SLURM_CONF for scontrol; default: Slurm's own
       timeout: 15s      # for each Slurm command
+      forget_after: 10m # an attached job that ended is dropped then (its incidents stay)
       job:              # what every attached job gets: policy, heartbeat, stall, ...
         policy: default
         heartbeat: {timeout: 5m}
@@ -33,12 +34,14 @@ def read(r: Reader, raw: object, host: str,
     """None when the section is absent. ``job`` reads a job entry (read.py's)."""
     if raw is None:
         return None
-    m = r.mapping(raw, "slurm", {"node", "job", "conf", "timeout"})
+    m = r.mapping(raw, "slurm", {"node", "job", "conf", "timeout", "forget_after"})
     node = r.get(m, "node", "slurm", fields.HOST, None) or host
     t = r.mapping(m.get("job"), "slurm.job", TEMPLATE_KEYS)
     return SlurmWatch(node=node, job=job({"name": "slurm", "command": list(COMMAND), **t}),
                       conf=r.get(m, "conf", "slurm", STR, None),
-                      timeout=r.get(m, "timeout", "slurm", DUR, SlurmWatch.timeout))
+                      timeout=r.get(m, "timeout", "slurm", DUR, SlurmWatch.timeout),
+                      forget_after=r.get(m, "forget_after", "slurm", DUR,
+                                         SlurmWatch.forget_after))
 
 
 def command(s: SlurmWatch) -> Slurm:

@@ -54,6 +54,7 @@ class Daemon(Supervisor):
         self.scheduler.add_job(self._locked(self.reap_strays), "interval",
                                seconds=5.0, id="reap")
         self._status_at = 0.0
+        self._ended_at: dict[str, float] = {}  # attached jobs that ended: when (forget_after)
         # Ranks of Slurm jobs attach over the control socket (slurm/attach.py).
         self.registry = None
         if config.slurm is not None:
@@ -94,6 +95,22 @@ class Daemon(Supervisor):
         if now >= self._status_at:
             self._status_at = now + _STATUS_EVERY
             self.service.status(self._summary())
+            if self.config.slurm is not None:
+                self._forget_ended(now, self.config.slurm.forget_after)
+
+    def _forget_ended(self, now: float, after: float) -> None:
+        """An attached Slurm job that ended is dropped ``after`` seconds later (its
+        runner, socket and hands; its incidents stay in the ledger): a node runs
+        thousands of jobs. A later run of it attaches anew."""
+        for r in list(self.runners):
+            if r.job.slurm is None or not ended(r):
+                self._ended_at.pop(r.job.name, None)
+                continue
+            if now - self._ended_at.setdefault(r.job.name, now) >= after:
+                del self._ended_at[r.job.name]
+                log.info("job %s: %s %.0fs ago: forgotten (its incidents stay in the "
+                         "ledger)", r.job.name, r.state.value if r.state else "-", after)
+                self._guarded(self._drop, r, False)
 
     def finish(self) -> int:
         self.service.stopping()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -70,10 +71,10 @@ def _runner(sup: Supervisor, settings: SlurmWatch, proven: Proven,
             if r.job.user != str(proven.uid):  # a job id reused by another owner
                 raise Refused(f"job {proven.job}: watched here as another user's")
             return r
-    sup.add_runner(sup.config, _job(settings.job, name, proven, args))
+    r = sup.add_runner(sup.config, _job(settings.job, name, proven, args))
     log.info("job %s: attached (Slurm job %d, owner uid %d, node %s)", name, proven.job,
              proven.uid, proven.node)
-    return sup.runners[-1]
+    return r
 
 
 def _job(template: Job, name: str, proven: Proven, args: dict[str, Any]) -> Job:
@@ -101,9 +102,9 @@ def join(r: JobRunner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
         if a.number == proven.restarts and a.slurm_step == proven.step:
             a.add(proven)
             return a
-        # Its tasks are gone or going: a requeue (a crash, unless ours), or the
-        # job's next step (a clean end of this one).
-        a.ended(0 if a.number == proven.restarts else 1)
+        # Its tasks are gone or going: a requeue (Slurm's SIGTERM ended them), or
+        # the job's next step (a clean end of this one).
+        a.ended(0 if a.number == proven.restarts else -int(signal.SIGTERM))
         if r.state in _LIVE:
             exits.check(r)
     if r.state is JobState.STOPPING or not requeue.settled(r):
