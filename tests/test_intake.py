@@ -6,15 +6,19 @@ read, and the attempt's ring folder lives exactly as long as the attempt."""
 from __future__ import annotations
 
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from conftest import Workspace, finish, wait_for
 from trainwatch.sources import ring
+from trainwatch.types import Beat
+from trainwatch.watch.intake import Intake
 
 # Forks `ranks` processes; each beats `steps` times as fast as it can (a loss
 # falling as 1 / step: a healthy curve), waits for the file `release` (well
@@ -161,3 +165,39 @@ def test_a_ring_first_read_after_its_writer_exited_still_counts(ws: Workspace) -
     st = ws.status()
     assert (st["state"], st["step"]) == ("exited", 20), (st, out[-2000:])
     assert (st["rings"]["read"], st["rings"]["refused"]) == (1, 0), st["rings"]
+
+
+def test_a_ring_seen_before_its_writers_first_datagram_is_read_once_that_comes(
+        tmp_path: Path) -> None:
+    """The loop's ring poll finds a rank's ring before the datagram that announces
+    it (the writer has beaten 20 times and exited): not provable yet, the ring is
+    looked at again when that pid's datagram comes, and all 20 steps count."""
+    believed: set[int] = set()
+    steps: list[int] = []
+
+    def on_beats(beats: Sequence[Beat]) -> None:  # as the runner: a pid that beat is believed
+        believed.update(b.pid for b in beats)
+        steps.extend(b.step for b in beats)
+
+    sel = selectors.DefaultSelector()
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    # As the runner's: root's datagrams (this test runs as root), and pids that beat.
+    intake = Intake("job", str(tmp_path / "job.sock"), sel,
+                    lambda pid, uid: uid == 0 or pid in believed,
+                    time.monotonic, None, on_beats, lambda _r: None)
+    try:
+        intake.new_attempt(str(rings))
+        code = ("import sys\nfrom trainwatch import client\n"
+                "hb = client.Heartbeat(sys.argv[1], 0, sys.argv[2])\n"
+                "for s in range(1, 21):\n    hb.beat(s, loss=1.0 / s)\n")
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.sock"), str(rings)],
+                       check=True, timeout=60)
+        intake.tick(time.monotonic() + 2)  # the ring poll first: its writer is unknown
+        assert intake.readers == {} and intake.rings_refused == 1
+        intake.drain()  # then its datagram: the pid beat, the ring is looked at again
+        assert max(steps) == 20, steps
+        assert (len(intake.readers), intake.rings_refused) == (1, 0)
+    finally:
+        intake.close()
+        sel.close()

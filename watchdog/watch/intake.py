@@ -21,7 +21,7 @@ import math
 import os
 import selectors
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 
 from trainwatch.sources import ring
 from trainwatch.sources.beatpoll import BeatPoller
@@ -66,6 +66,10 @@ class Intake:
         self._ended = False  # the attempt's processes are gone: see new_attempt
         self.readers: dict[str, ring.RingReader] = {}
         self.refused: set[str] = set()  # ring files not believed or not rings
+        # Rings whose writer's pid could not be proven yet: looked at again at each
+        # scan (a loaded loop may see a rank's ring before its first datagram, and
+        # the rank gone already); counted refused until then.
+        self.unproven: set[str] = set()
         self.max_rings = max_rings
         self.ring_values = 0  # records read from rings, every attempt
         self.rings_opened = 0  # rings read, every attempt
@@ -97,17 +101,17 @@ class Intake:
                                   (c.malformed, c.oversized, c.foreign), strict=True):
             if old == 0 and new > 0:  # the first of its kind; the rest are only counted
                 log.warning("job %s: dropped a %s datagram on %s", self.job, what, self.path)
-        beaten = False
+        beaten: set[int] = set()  # the pids that beat
         for obs in observations:
             if isinstance(obs, Beat):
-                beaten = True
+                beaten.add(obs.pid)
                 self.on_beats((obs,))
             elif isinstance(obs, CheckpointReport):
                 self.on_report(obs)
             else:
                 self._data_order(obs)
         if beaten:  # a client sends its first beat as a datagram once its ring exists
-            self._read_rings(rescan=True)
+            self._read_rings(rescan=True, beaten=beaten)
         return len(observations) + c.malformed + c.oversized + c.foreign - sum(before)
 
     def _data_order(self, d: DataOrder) -> None:
@@ -119,7 +123,7 @@ class Intake:
             log.info("job %s: data order %s (rank %d: %s)", self.job, d.order, d.rank,
                      d.why or "no reason given")
 
-    def _read_rings(self, rescan: bool) -> int:
+    def _read_rings(self, rescan: bool, beaten: Set[int] = frozenset()) -> int:
         d = self.ring_dir
         if d is None:
             return 0
@@ -129,7 +133,7 @@ class Intake:
             seen = None
         if rescan or seen != self._dir_seen:
             self._dir_seen = seen
-            self._discover(d)
+            self._discover(d, beaten)
         now = self.clock()
         n = 0
         writer_clock = self._writer_clock
@@ -152,7 +156,7 @@ class Intake:
         self.ring_values += n
         return n
 
-    def _discover(self, d: str) -> None:
+    def _discover(self, d: str, beaten: Set[int]) -> None:
         cut = ring.scans_cut
         try:
             found = ring.scan(d)
@@ -166,8 +170,9 @@ class Intake:
             log.warning("job %s: cannot list %s: %s", self.job, d, e.strerror or e)
             return
         for rank, pid, path in found:
-            if path in self.readers or path in self.refused:
-                continue
+            if path in self.readers or path in self.refused \
+                    or (path in self.unproven and pid not in beaten):
+                continue  # an unproven one again once its pid has beaten
             why = None
             rd: ring.RingReader | None = None
             if len(self.readers) >= self.max_rings:
@@ -181,20 +186,31 @@ class Intake:
             # sender is): no exemption for root, the pid must be in the tree. An
             # attempt that ended unwatched has no tree left to prove it: its own
             # folder (its user's alone) speaks only of that user's job.
-            if rd is not None and (rd.rank != rank or rd.pid != pid
-                                   or not (self._ended or self.believe(pid, _NO_UID))):
-                why = f"pid {pid} is not one of the job's processes"
+            if rd is not None and (rd.rank != rank or rd.pid != pid):
+                why = f"pid {pid} is not the ring's writer (its header says {rd.pid})"
                 rd.close()
                 rd = None
+            elif rd is not None and not (self._ended or self.believe(pid, _NO_UID)):
+                rd.close()
+                if path not in self.unproven and len(self.unproven) < _REFUSED_MAX:
+                    self.unproven.add(path)
+                    self._refuse(path, f"pid {pid} is not one of the job's processes")
+                continue
             if rd is None:
                 if len(self.refused) < _REFUSED_MAX:  # bounded: the folder is the job's
                     self.refused.add(path)
-                self.rings_refused += 1
-                if self.rings_refused == 1:  # the first; the rest are only counted
-                    log.warning("job %s: not reading the ring %s: %s", self.job, path, why)
+                self._refuse(path, why or "not a ring")
                 continue
+            if path in self.unproven:  # proven since (its datagram came): not refused
+                self.unproven.discard(path)
+                self.rings_refused -= 1
             self.readers[path] = rd
             self.rings_opened += 1
+
+    def _refuse(self, path: str, why: str) -> None:
+        self.rings_refused += 1
+        if self.rings_refused == 1:  # the first; the rest are only counted
+            log.warning("job %s: not reading the ring %s: %s", self.job, path, why)
 
     def tick(self, now: float) -> None:
         self.poller.tick(now)
@@ -227,6 +243,7 @@ class Intake:
             rd.close()
         self.readers.clear()
         self.refused.clear()
+        self.unproven.clear()
 
     def close(self) -> None:
         self.poller.close()
