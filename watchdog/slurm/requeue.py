@@ -84,12 +84,12 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str,
         a.tasks.awaiting = True  # the stop waits for Slurm to end the tasks
 
         gpu = fault.gpu if drain else None
-        why = f"{fault.kind.value} {fault.evidence.get('xid', '')} on GPU {gpu} (job {job})"
+        drained_for = " ".join(f"{fault.kind.value} {fault.evidence.get('xid', '')} on GPU "
+                               f"{gpu} (job {job})".split())
 
         def work() -> None:
             if gpu is not None:
-                asked.drain = d = actions.drain(settings.node, why.replace("  ", " "),
-                                                slurm=slurm)
+                asked.drain = d = actions.drain(settings.node, drained_for, slurm=slurm)
                 health = node.this()
                 if "drain" in d.done and health is not None:
                     health.drained([gpu])
