@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import attemptfiles, evidence, fresh, pull, verify
+from trainwatch.actions import attemptfiles, evidence, fresh, pull, rollback, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.config import Job
 from trainwatch.lifecycle import respond
@@ -160,7 +160,7 @@ def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
     r.ranks = Ranks(started=a.started, max_ranks=r.job.heartbeat.max_ranks)
     r.intake.new_attempt(a.ring_dir)
     r.first_failure.new_attempt(a.started)
-    r.catalog.seal_quarantine()
+    rollback.sealed(r, r.pending_incident, r.catalog.seal_quarantine())
     r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
     logwatch.follow(r, a, from_end=False)
     r.stall.new_attempt(r.job.stall)

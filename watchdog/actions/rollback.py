@@ -167,3 +167,20 @@ def apply(r: Runner, p: Plan, incident: int | None) -> dict[str, object]:
                 f"step {target.step}" if target else "scratch", len(quarantined),
                 f" (steps {shown})" if quarantined else "", verdict, why)
     return record
+
+
+def sealed(r: Runner, incident: int | None, fenced: list[int] | None) -> None:
+    """The attempt a rollback stopped may save checkpoints while it stops: the
+    fence quarantined them as they appeared, and the incident lists them too."""
+    if not fenced or incident is None or incident < 0:
+        return
+    record = r.ledger.evidence(incident).get("rollback")
+    if not isinstance(record, dict) or record.get("quarantined_count") == len(fenced):
+        return
+    listed = set(record.get("quarantined") or ())
+    late = [s for s in fenced if s not in listed]
+    record.update(quarantined=fenced[:MAX_LISTED], quarantined_count=len(fenced))
+    r.ledger.amend(incident, {"rollback": record}, None)
+    log.warning("job %s: %d checkpoint(s) the stopped attempt saved after the rollback "
+                "was decided were quarantined too (steps %s)", r.job.name, len(late),
+                ", ".join(map(str, late[:8])) + (", ..." if len(late) > 8 else ""))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import psutil
+from trainwatch.actions import rollback
 from trainwatch.multihost import records, stackshare
 from trainwatch.sources.rankexits import rank_processes
 from trainwatch.sources.ranks import Ranks
@@ -142,7 +143,7 @@ def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int 
     r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
     r.stall.new_attempt(r.job.stall)
     r.hang_latched = False
-    r.catalog.seal_quarantine()
+    rollback.sealed(r, incident, r.catalog.seal_quarantine())
     step = rec.resume_step if rec is not None else None
     reached, r.last_step = r.last_step, step
     r.outages.started(now)

@@ -345,14 +345,21 @@ class Catalog:
         self.entries()  # marks those on disk now
         self._save()
 
-    def seal_quarantine(self) -> None:
+    def seal_quarantine(self) -> list[int] | None:
         """The next attempt has started (the one quarantined is gone): what it
-        writes from now on is its own, judged afresh."""
-        if self.fence is not None:
-            self.entries()
-            self.fence = None
-            self._all_stale = True
-            self._save()
+        writes from now on is its own, judged afresh. Returns every step the
+        fence quarantined, those the stopped attempt saved late included (None:
+        no fence)."""
+        if self.fence is None:
+            return None
+        self.entries()
+        step, why = self.fence
+        fenced = sorted(s for s, bad in self.bad.items()
+                        if s > step and bad == f"{QUARANTINED}{why}")
+        self.fence = None
+        self._all_stale = True
+        self._save()
+        return fenced
 
     def start_failed(self, step: int) -> bool:
         """The job died before its first beat after resuming from ``step``.

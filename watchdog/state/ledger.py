@@ -219,6 +219,12 @@ class Ledger:
         self.db.execute("UPDATE incidents SET evidence=?, rank=COALESCE(rank, ?) WHERE id=?",
                         (_evidence(merged), _int(rank), incident_id))
 
+    def evidence(self, incident_id: int) -> dict[str, Any]:
+        """One incident's evidence as recorded ({} when there is no such incident)."""
+        row = self.db.execute("SELECT evidence FROM incidents WHERE id=?",
+                              (incident_id,)).fetchone()
+        return dict(json.loads(row[0])) if row is not None else {}
+
     @_survive(None)
     def transition(
         self, job: str, attempt: int, old: JobState | None, new: JobState, reason: str
