@@ -167,6 +167,54 @@ def test_a_ring_first_read_after_its_writer_exited_still_counts(ws: Workspace) -
     assert (st["rings"]["read"], st["rings"]["refused"]) == (1, 0), st["rings"]
 
 
+def test_a_beat_sent_both_as_a_datagram_and_in_the_ring_is_handed_on_once(
+        tmp_path: Path) -> None:
+    """A client with a ring sends its first beat and each non-finite one as a datagram
+    too: the detectors get every step once, in order once the ring is being read
+    (a step counted twice weighs twice in their statistics and an incident's series)."""
+    believed: set[int] = set()
+    seen: list[tuple[int, str]] = []
+
+    def on_beats(beats: Sequence[Beat]) -> None:
+        believed.update(b.pid for b in beats)
+        seen.extend((b.step, repr(b.loss)) for b in beats)
+
+    sel = selectors.DefaultSelector()
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    intake = Intake("job", str(tmp_path / "job.sock"), sel,
+                    lambda pid, uid: uid == 0 or pid in believed,
+                    time.monotonic, None, on_beats, lambda _r: None)
+    # Steps 1-4, then (once told on stdin) 5-8; 1 (its first) and the NaNs 3 and 7
+    # come both ways: 3 before its ring is open, 7 after.
+    code = ("import math, sys\nfrom trainwatch import client\n"
+            "hb = client.Heartbeat(sys.argv[1], 0, sys.argv[2])\n"
+            "def beats(a, b):\n"
+            "    for s in range(a, b):\n"
+            "        hb.beat(s, loss=math.nan if s in (3, 7) else 1.0 / s)\n"
+            "beats(1, 5)\nprint('4', flush=True)\nsys.stdin.readline()\nbeats(5, 9)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "job.sock"), str(rings)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        intake.new_attempt(str(rings))
+        assert p.stdout is not None and p.stdin is not None
+        assert p.stdout.readline() == "4\n"
+        intake.drain()
+        assert len(intake.readers) == 1
+        assert sorted(s for s, _ in seen) == [1, 2, 3, 4], seen
+        p.stdin.write("go\n")
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+        intake.drain()
+        assert [s for s, _ in seen[4:]] == [5, 6, 7, 8], seen
+        assert [loss for s, loss in seen if s in (3, 7)] == ["nan", "nan"], seen
+    finally:
+        p.kill()
+        p.wait()
+        intake.close()
+        sel.close()
+
+
 def test_a_ring_seen_before_its_writers_first_datagram_is_read_once_that_comes(
         tmp_path: Path) -> None:
     """The loop's ring poll finds a rank's ring before the datagram that announces

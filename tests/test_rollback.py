@@ -201,11 +201,79 @@ def test_a_six_step_bad_window_costs_one_restart_of_the_budget(ws: Workspace) ->
             "20-20); resuming from step 17;") in out, out[-3000:]
     series = json.loads((ws.state / "jobs" / "job" / "incidents" / str(incs[1]["id"])
                          / "series.json").read_text())
-    # The steps the lead rank beat up to the detection: a ring read on a busy machine
-    # may bring the next step's NaN in the same batch as the onset's (it is kept too).
+    # The steps the lead rank beat up to the detection, each once (its first beat and
+    # its NaN came both as a datagram and in its ring): a ring read on a busy machine
+    # may bring the next steps' NaNs in the same batch as the onset's (kept too).
     steps = series["steps"]
-    assert series["onset_step"] == 21 and 21 in steps and 21 <= steps[-1] <= 22, series
+    assert steps == sorted(set(steps)), series
+    assert series["onset_step"] == 21 and 21 in steps, series
     assert series["loss"][steps.index(21)] == "nan" and steps[0] == 18 + 1, series
+
+
+# Checkpoints every 5 steps until the loss goes NaN at step NAN (attempt 0), then
+# none; on SIGTERM it saves the step it is at, as trainers that save on preemption
+# do, and journals which.
+_SAVES_ON_SIGTERM = textwrap.dedent(
+    """
+    import json, math, os, signal, sys, time
+    from trainwatch import client
+    ckpt, journal, steps, nan = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    attempt = int(os.environ["TRAINWATCH_ATTEMPT"])
+    start = int(open(client.resume_from()).read()) if client.resume_from() else 0
+    step = start
+
+    def save(s):
+        path = os.path.join(ckpt, f"step_{s}")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(s))
+        os.replace(path + ".tmp", path)
+        hb.checkpoint(s, path)
+
+    def on_term(signum, frame):
+        save(step)
+        with open(journal, "a") as f:
+            f.write(json.dumps({"attempt": attempt, "saved_on_sigterm": step}) + "\\n")
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+    hb = client.connect()
+    hb.data_order("step", "batch k is drawn from k", step=start)
+    skip = client.skip_steps()
+    for step in range(start + 1, steps + 1):
+        if skip and skip[0] <= step <= skip[1]:
+            continue
+        bad = attempt == 0 and step >= nan
+        hb.beat(step, loss=math.nan if bad else 1.0 / step)
+        if not bad and step % 5 == 0:
+            save(step)
+        time.sleep(0.05)
+    """
+)
+
+
+def test_a_checkpoint_the_stopped_attempt_saves_late_is_listed_as_quarantined(
+        ws: Workspace) -> None:
+    """The attempt a rollback stops saves a checkpoint on SIGTERM, after the rollback
+    decided what to quarantine: it is quarantined as it appears, and the incident's
+    rollback lists it (the count matches), with one log line saying so."""
+    script = ws.root / "trainer.py"
+    script.write_text(_SAVES_ON_SIGTERM)
+    journal = ws.root / "journal.jsonl"
+    cfg = ws.config({"command": [sys.executable, str(script), str(ws.ckpt), str(journal), "40",
+                                 "23"],
+                     "resume_args": [],
+                     "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}"}})
+    code, out = finish(ws.run(cfg), timeout=120)
+    assert code == 0, out[-3000:]
+    [saved] = [r["saved_on_sigterm"] for r in map(json.loads, journal.read_text().splitlines())
+               if "saved_on_sigterm" in r]
+    assert saved >= 23, saved
+    [inc] = ws.incidents()
+    rb = json.loads(inc["evidence"])["rollback"]
+    assert rb["resume_step"] == 20, rb
+    assert saved in rb["quarantined"], (saved, rb, out[-3000:])
+    assert rb["quarantined_count"] == len(rb["quarantined"]), rb
+    assert "saved after the rollback was decided were quarantined too" in out, out[-3000:]
 
 
 def _fault(onset: int, noticed: int | None = None) -> Fault:

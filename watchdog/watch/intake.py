@@ -44,6 +44,7 @@ RING_POLL = 1.0
 # read first at the next turn (what their writers overwrite meanwhile is lapped).
 RING_BUDGET = 65_536
 _NO_UID = -1  # for believe(): a ring's writer has no uid the kernel vouches for
+_EARLY_MAX = 64  # steps remembered per (pid, rank) that came as datagrams before its ring
 
 
 class Intake:
@@ -80,6 +81,11 @@ class Intake:
         self.data_order: DataOrder | None = None  # the job's last word on it
         self._ring_poll_at = 0.0
         self._budget, self._budget_until, self._turn = RING_BUDGET, 0.0, 0
+        # A client with a ring sends some beats as datagrams too (its first, each
+        # non-finite one), and each must be handed on once: a datagram from a ring
+        # being read only makes the rings be read now (in order); one that came
+        # before its ring was opened is handed on, its step skipped in the ring.
+        self._early: dict[tuple[int, int], set[int]] = {}
 
     @property
     def rings_lapped(self) -> int:
@@ -102,9 +108,19 @@ class Intake:
             if old == 0 and new > 0:  # the first of its kind; the rest are only counted
                 log.warning("job %s: dropped a %s datagram on %s", self.job, what, self.path)
         beaten: set[int] = set()  # the pids that beat
+        rings = {(rd.pid, rd.rank) for rd in self.readers.values()} if self.readers else ()
         for obs in observations:
             if isinstance(obs, Beat):
                 beaten.add(obs.pid)
+                key = (obs.pid, obs.rank)
+                if key in rings:
+                    continue  # its ring holds it: read below
+                if self.ring_dir is not None:
+                    early = self._early.get(key)
+                    if early is None and len(self._early) < self.max_rings:
+                        early = self._early[key] = set()
+                    if early is not None and len(early) < _EARLY_MAX:
+                        early.add(obs.step)
                 self.on_beats((obs,))
             elif isinstance(obs, CheckpointReport):
                 self.on_report(obs)
@@ -149,10 +165,14 @@ class Intake:
                 break
             records = rd.read(min(ring.SLOTS, self._budget))
             self._budget -= len(records)
+            n += len(records)
+            if records and self._early:
+                early = self._early.pop((rd.pid, rd.rank), None)
+                if early:  # handed on as datagrams already
+                    records = [r for r in records if r.step not in early]
             if records:
                 self.on_beats([Beat(r.rank, r.step, min(r.t, now) if writer_clock else now,
                                     r.pid, r.loss, r.grad_norm) for r in records])
-                n += len(records)
         self.ring_values += n
         return n
 
@@ -244,6 +264,7 @@ class Intake:
         self.readers.clear()
         self.refused.clear()
         self.unproven.clear()
+        self._early.clear()
 
     def close(self) -> None:
         self.poller.close()
