@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class JobState(str, enum.Enum):
@@ -89,9 +89,8 @@ IMPLEMENTED_ACTIONS = frozenset(
 # --- observations (sources -> detectors) -------------------------------------
 
 
-@dataclass(frozen=True)
-class Beat:
-    """One heartbeat from one rank, as received."""
+class Beat(NamedTuple):
+    """One heartbeat from one rank, as received (a tuple: hundreds a second are made)."""
 
     rank: int
     step: int

@@ -35,7 +35,6 @@ log = logging.getLogger("trainwatch")
 logging.getLogger("apscheduler").setLevel(logging.WARNING)
 
 _STATUS_EVERY = 5.0  # seconds between STATUS= lines
-_CATALOG_EVERY = 10.0  # checkpoint scans
 
 
 class Daemon(Supervisor):
@@ -49,8 +48,6 @@ class Daemon(Supervisor):
         self.scheduler = BackgroundScheduler(
             job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
             timezone="UTC")
-        self.scheduler.add_job(self._locked(self._scan_checkpoints), "interval",
-                               seconds=_CATALOG_EVERY, id="checkpoints")
         self.scheduler.add_job(self._locked(self.reap_strays), "interval",
                                seconds=5.0, id="reap")
         self._status_at = 0.0
@@ -136,10 +133,6 @@ class Daemon(Supervisor):
                 self._guarded(fn)
         run.__qualname__ = fn.__qualname__
         return run
-
-    def _scan_checkpoints(self) -> None:
-        for r in self.runners:
-            r.refresh_checkpoints()
 
     def _summary(self) -> str:
         counts: dict[str, int] = {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from trainwatch.types import Beat, HeartbeatSnapshot, RankView
 
 _SAMPLE = 512  # recent step intervals kept per attempt (all ranks together)
-_P99_EVERY = 64  # recompute the p99 after this many new intervals
+_P99_AFTER = 4  # recompute the p99 once a quarter of the sample is new
 MAX_RANKS = 1024  # the default cap when the job declares no world size
 
 
@@ -89,7 +89,7 @@ class Ranks:
     def learned_p99(self, min_samples: int) -> float | None:
         if len(self.intervals) < min_samples:
             return None
-        if self.p99 is None or self._since_p99 >= _P99_EVERY:
+        if self.p99 is None or self._since_p99 * _P99_AFTER >= len(self.intervals):
             ordered = sorted(self.intervals)
             self.p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
             self._since_p99 = 0

@@ -92,6 +92,7 @@ _U64 = struct.Struct("<Q")
 _SLOT = struct.Struct("<qdddQ")  # step, t, loss, grad_norm, seq
 _SEQ_AT = 32  # seq's offset in a slot
 _MISSING: float = struct.unpack("<d", struct.pack("<Q", MISSING_BITS))[0]
+_MISSING_RAW = struct.pack("<Q", MISSING_BITS)
 # Does a float keep this bit pattern through struct on this machine (an x87
 # FPU would quiet it)? If not, None could not be told from NaN: no rings.
 SUPPORTED = sys.byteorder == "little" and (
@@ -415,28 +416,30 @@ class RingReader:
         last = self._last
         self.lapped += start - last
         self._last = head
-        n = head - start
         out: list[Record] = []
-        unpack = _SLOT.unpack_from
         rank, pid = self.rank, self.pid
-        for k in range(n):
-            j = start + k
-            step, t, loss, gn, seq = unpack(data, k * SLOT_SIZE)
-            if j < safe_from:
+        j = start
+        for step, t, loss, gn, seq in _SLOT.iter_unpack(data):  # the hot path: 1 read a second
+            j += 1
+            if j <= safe_from:
                 self.lapped += 1
                 continue
-            if seq != j + 1:
+            if seq != j:
                 # Below head yet not this record: garbage, or (a weakly ordered
                 # CPU) a store not visible yet. Read it again next time; if it
                 # never shows, it is lapped like any other.
-                self._last = j
+                self._last = j - 1
                 break
             if step < 0:
                 self.bad += 1
                 continue
-            out.append(Record(rank, pid, step, t,
-                              None if loss != loss and _is_missing(data, k, 16) else loss,
-                              None if gn != gn and _is_missing(data, k, 24) else gn))
+            if loss != loss or gn != gn:  # NaN: the job's, or "not given"
+                off = (j - 1 - start) * SLOT_SIZE
+                if loss != loss and data[off + 16:off + 24] == _MISSING_RAW:
+                    loss = None
+                if gn != gn and data[off + 24:off + 32] == _MISSING_RAW:
+                    gn = None
+            out.append(Record(rank, pid, step, t, loss, gn))
         return out
 
     def close(self) -> None:
@@ -449,7 +452,3 @@ class RingReader:
 
     def __exit__(self, *_: object) -> None:
         self.close()
-
-
-def _is_missing(data: bytes, k: int, field: int) -> bool:
-    return bool(_U64.unpack_from(data, k * SLOT_SIZE + field)[0] == MISSING_BITS)
