@@ -24,25 +24,34 @@ from slurmcluster import NODES, SlurmCluster
 
 # Beats every 0.05 s with the client (which attaches on its first connect()),
 # checkpoints every 10 steps into the shared folder and reports them; ends
-# after `steps` steps, or at once with `exit_at` on rank `bad`.
+# after `steps` steps. Its "weights" are one float updated each step by a
+# deterministic rule and kept exactly (float.hex) in each checkpoint; at the
+# end rank 0 writes them to <ckpt>/final.
 TRAINER = textwrap.dedent("""
-    import os, sys, time
+    import math, os, sys, time
     from trainwatch import client
     ckpt, steps = sys.argv[1], int(sys.argv[2])
     hb = client.connect()
-    rank = int(os.environ["SLURM_PROCID"])
-    start = int(open(client.resume_from()).read()) if client.resume_from() else 0
+    rank = int(os.environ.get("SLURM_PROCID", "0"))
+    start, w = 0, 1.0
+    if client.resume_from():
+        s, h = open(client.resume_from()).read().split()
+        start, w = int(s), float.fromhex(h)
     print(f"rank {rank} attached to {os.environ.get('TRAINWATCH_JOB')} from {start}",
           flush=True)
     for step in range(start + 1, steps + 1):
         time.sleep(0.05)
+        w -= 0.1 * (w - math.sin(step))
         hb.beat(step, loss=1.0 / step)
         if rank == 0 and step % 10 == 0:
             path = os.path.join(ckpt, f"step_{step}")
             with open(path + ".tmp", "w") as f:
-                f.write(str(step))
+                f.write(f"{step} {w.hex()}")
             os.replace(path + ".tmp", path)
             hb.checkpoint(step, path)
+    if rank == 0:
+        with open(os.path.join(ckpt, "final"), "w") as f:
+            f.write(w.hex())
 """)
 
 
@@ -63,12 +72,21 @@ class Node:
                    "policy": "slurm",
                    "checkpoints": {"pattern": "step_{step}", "quiet_for": "1s"},
                    "heartbeat": {"timeout": timeout}}}}
-        path = self.root / "trainwatch.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        self.out = (self.root / "daemon.log").open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trainwatch.cli", "daemon", "--config", str(path),
-             "--host", name], env=cluster.env, stdout=self.out, stderr=subprocess.STDOUT)
+        self.config, self.env = self.root / "trainwatch.yaml", cluster.env
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.out = (self.root / "daemon.log").open("ab")
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainwatch.cli", "daemon", "--config", str(self.config),
+             "--host", self.name], env=self.env, stdout=self.out, stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        """SIGTERM the daemon (its jobs run on), then start a new one."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=60) == 0, self.output()[-3000:]
+        self.proc = self._start()
 
     def status(self, job: str) -> dict[str, Any]:
         try:
@@ -238,6 +256,69 @@ def test_a_stopped_rank_is_requeued_through_slurm_and_both_nodes_resume_from_one
         out = (cluster.root / "jobs" / f"{job}.out").read_text()
         assert out.count(f"from {resumed[host]}") == 2, out[-2000:]
     except (AssertionError, ValueError, TypeError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    finally:
+        cluster.cancel(job)
+
+
+def test_a_restarted_daemon_takes_its_attached_ranks_back(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """n1's daemon is stopped (SIGTERM) and started again while the job runs: the
+    new one proves the rank the old one had joined again (the client does nothing)
+    and watches it on: its steps, then its end as Slurm judged it."""
+    job, _ = _submit(cluster, tmp_path, 600)
+    name = f"slurm-{job}"
+    n1 = nodes["n1"]
+    try:
+        _at_step(nodes, name, 20)
+        n1.restart()
+        wait_for(lambda: "taken back after a restart of the daemon" in n1.output(),
+                 timeout=60, what=f"{name}'s rank taken back on n1")
+        at = n1.status(name).get("step") or 0
+        wait_for(lambda: (n1.status(name).get("step") or 0) > at, timeout=60,
+                 what=f"{name}'s steps on n1 after the restart")
+        cluster.wait_ended(job, timeout=240)
+        wait_for(lambda: n1.status(name).get("state") == "exited", timeout=60,
+                 what=f"{name} exited on n1")
+        assert n1.status(name)["step"] == 600, n1.status(name)
+        assert cluster.job(job).get("JobState") == "COMPLETED", cluster.job(job)
+        assert not n1.incidents(name), n1.incidents(name)
+        out = (cluster.root / "jobs" / f"{job}.out").read_text()
+        assert out.count("attached to") == 2, out[-2000:]  # one attach per rank, ever
+    except (AssertionError, ValueError, TypeError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    finally:
+        cluster.cancel(job)
+
+
+@pytest.mark.parametrize("nodes", [("3s", 0)], indirect=True)
+def test_a_requeued_job_ends_with_the_weights_of_a_fault_free_run(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """The same trainer run alone, without a fault, and under Slurm with rank 1
+    stopped at step 35: requeued, resumed on both nodes from the checkpoint
+    trainwatch judged, it completes with the fault-free run's weights, bit for bit."""
+    steps = 300
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (tmp_path / "train.py").write_text(TRAINER)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("TRAINWATCH_", "SLURM_"))}
+    subprocess.run([sys.executable, str(tmp_path / "train.py"), str(alone), str(steps)],
+                   env={**env, "PYTHONPATH": os.pathsep.join(sys.path[1:])},
+                   check=True, timeout=120, capture_output=True)
+    expected = (alone / "final").read_text()
+    job, ckpt = _submit(cluster, tmp_path, steps)
+    name = f"slurm-{job}"
+    try:
+        _at_step(nodes, name, 35)
+        _stop_rank_1(nodes, name)
+        cluster.wait_state(job, "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", timeout=240)
+        assert cluster.job(job).get("Restarts") == "1", cluster.job(job)
+        assert cluster.job(job).get("JobState") == "COMPLETED", cluster.job(job)
+        resumed = [i["resumed_step"] for n in nodes.values() for i in n.incidents(name)]
+        assert resumed and 0 < resumed[0] < steps, resumed
+        assert (ckpt / "final").read_text() == expected
+    except (AssertionError, ValueError, TypeError, OSError) as e:
         raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
     finally:
         cluster.cancel(job)

@@ -27,7 +27,7 @@ from trainwatch.config import Config, ConfigError, load, slurmwatch
 from trainwatch.host.service import Service
 from trainwatch.host.supervisor import Supervisor
 from trainwatch.lifecycle.job import JobRunner
-from trainwatch.slurm import node, register
+from trainwatch.slurm import node, readopt, register
 from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")
@@ -54,9 +54,11 @@ class Daemon(Supervisor):
         self._ended_at: dict[str, float] = {}  # attached jobs that ended: when (forget_after)
         # Ranks of Slurm jobs attach over the control socket (slurm/attach.py).
         self.registry = None
+        self.readopt: readopt.Readopt | None = None
         if config.slurm is not None:
             slurm = slurmwatch.command(config.slurm)
             self.registry = register.Registry(config.slurm.node, register.prover(slurm))
+            self.readopt = readopt.Readopt(config.state_dir)  # ranks a daemon before joined
             health = node.NodeHealth(config.slurm.node, slurm, self.gpus, config.gpu.backend,
                                      self.lock)
             node.serve(health)  # told of a drain by a requeue (slurm/requeue.py)
@@ -89,6 +91,8 @@ class Daemon(Supervisor):
             self.agenda.poke_all()  # a reload may change any job: each ticks next round
             self.reload()
         self.service.watchdog(now)
+        if self.readopt is not None:
+            self.readopt.tick(self)
         if now >= self._status_at:
             self._status_at = now + _STATUS_EVERY
             self.service.status(self._summary())
@@ -108,6 +112,7 @@ class Daemon(Supervisor):
                 log.info("job %s: %s %.0fs ago: forgotten (its incidents stay in the "
                          "ledger)", r.job.name, r.state.value if r.state else "-", after)
                 self._guarded(self._drop, r, False)
+                readopt.forget(self.config.state_dir, r.job.name)
 
     def finish(self) -> int:
         self.service.stopping()

@@ -23,7 +23,7 @@ from trainwatch.actions.launch import begin_attempt
 from trainwatch.config import slurmwatch
 from trainwatch.config.schema import Job, SlurmWatch
 from trainwatch.host.access import Peer, Refused
-from trainwatch.slurm import requeue
+from trainwatch.slurm import readopt, requeue
 from trainwatch.slurm.command import Slurm
 from trainwatch.slurm.proof import Proven
 from trainwatch.slurm.register import RETRY
@@ -59,6 +59,7 @@ def answer(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
     a = join(r, proven, slurmwatch.command(settings))
     if a is None:
         return {"pending": True, "retry": RETRY}
+    readopt.remember(r, args, proven)  # for a daemon that starts while the rank runs
     return {**reply, "name": r.job.name, "socket": r.socket_path, "ring_dir": a.ring_dir,
             "attempt": a.number, "resume_from": a.resume_from, "resumed_step": a.resumed_step}
 
