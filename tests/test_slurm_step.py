@@ -5,6 +5,7 @@ and never a signal sent (Slurm owns and kills a step's tasks)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -211,6 +212,24 @@ def test_alive_is_empty_unless_awaiting_a_requeue(spawn: Callable[[], Task]) -> 
     assert tree.alive() == a.members
     _reap(a)
     assert tree.alive() == set()
+
+
+def test_a_requeue_is_awaited_only_until_its_deadline(
+        spawn: Callable[[], Task], caplog: pytest.LogCaptureFixture) -> None:
+    """await_end(s): alive() lists the members for s seconds; past them, members
+    Slurm did not end are not waited for (one ERROR line), so a stop ends."""
+    a = spawn()
+    tree = StepTree("slurm-7", [(a.pid, a.start)])
+    tree.await_end(60.0)
+    assert tree.alive() == a.members
+    tree.await_end(0.0)
+    with caplog.at_level(logging.ERROR, logger="trainwatch"):
+        assert tree.alive() == set()
+        assert tree.alive() == set()
+    said = [r.getMessage() for r in caplog.records if "waits for them no longer" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("job slurm-7: Slurm took the requeue"), said
+    assert tree.scan() == a.members  # still there: Slurm's to end
+    _reap(a)
 
 
 def test_close_forgets_everything(spawn: Callable[[], Task]) -> None:

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainwatch")
 
 SETTLE_WAIT = 5.0  # seconds the next run's ranks wait for the requeue's outcome
+# Seconds past kill_grace a stop waits for Slurm to end the tasks it requeued:
+# Slurm signals them at once and SIGKILLs them KillWait (30 s by default) later.
+AWAIT = 60.0
 
 
 @dataclass
@@ -81,7 +84,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str,
         slurm = slurmwatch.command(settings)
         asked = Asked(n)
         a.requeue = asked
-        a.tasks.awaiting = True  # the stop waits for Slurm to end the tasks
+        a.tasks.await_end(r.policy.kill_grace + AWAIT)  # the stop waits for Slurm
 
         gpu = fault.gpu if drain else None
         drained_for = " ".join(f"{fault.kind.value} {fault.evidence.get('xid', '')} on GPU "

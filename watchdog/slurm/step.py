@@ -24,11 +24,16 @@ otherwise ends at once, leaving the step to Slurm.
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+import time
 from collections.abc import Iterable
 
 from trainwatch.actions.tree import JobTree, proc_stat
 from trainwatch.slurm.proof import Stat, lineage, read_stat
+
+log = logging.getLogger("trainwatch")
 
 _ENDED = frozenset("ZXx")  # /proc/<pid>/stat states of a process that has exited
 
@@ -67,9 +72,10 @@ class StepTree(JobTree):
         self.leader_reaped = True
         self.known.clear()
         self._tasks: dict[int, int] = {}  # pid -> start time of each task not known gone
-        # Set by the caller while a requeue is in flight: alive() then lists the
-        # members, so a stop waits for Slurm to end them.
+        # Set (await_end) while a requeue is in flight: alive() then lists the
+        # members, so a stop waits for Slurm to end them, until a deadline.
         self.awaiting = False
+        self.await_until = math.inf
         for pid, started in given:
             self.add(pid, started)
         if not self._tasks:
@@ -169,10 +175,25 @@ class StepTree(JobTree):
         """Nothing to reap: the tasks are slurmstepd's children, not ours."""
         return {}
 
+    def await_end(self, within: float) -> None:
+        """A requeue is in flight: a stop waits up to ``within`` seconds for Slurm
+        to end the members."""
+        self.awaiting, self.await_until = True, time.monotonic() + within
+
     def alive(self) -> set[int]:
         """The live members while ``awaiting`` (a requeue is in flight), else none:
-        a stop of the runner does not wait for processes Slurm ends."""
-        return self.scan() if self.awaiting else set()
+        a stop of the runner does not wait for processes Slurm ends, nor, past
+        the deadline, for those Slurm did not end (one line says so)."""
+        if not self.awaiting:
+            return set()
+        live = self.scan()
+        if live and time.monotonic() >= self.await_until:
+            self.awaiting = False
+            log.error("job %s: Slurm took the requeue, yet %d of its processes on this node "
+                      "still run: the stop waits for them no longer (Slurm's to end; the "
+                      "next run's ranks attach as ever)", self.job, len(live))
+            return set()
+        return live
 
     def close(self) -> bool:
         """Forget every task and member. Always True: there is no cgroup to remove."""
