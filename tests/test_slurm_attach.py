@@ -194,6 +194,13 @@ def test_both_ranks_attach_are_watched_and_end_as_slurm_judged(
             wait_for(lambda n=n: n.status(name).get("state") == "exited", timeout=60,
                      what=f"{name} exited on {n.name}")
             assert n.status(name)["step"] == 120
+            # Every step came through the rank's ring: the socket carried its first beat
+            # (maybe sent again while unread) and rank 0's 12 checkpoint reports.
+            rings = n.status(name)["rings"]
+            assert (rings["read"], rings["refused"]) == (1, 0), rings
+            assert rings["values"] >= 119, rings
+            assert n.status(name)["datagrams"]["received"] <= 12 + 4, n.status(name)
+            assert not (n.root / "run" / f"{name}.attempt-0.rings").exists()
     except AssertionError as e:
         raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
     assert cluster.job(job).get("JobState") == "COMPLETED"

@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
+import stat
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from trainwatch.actions import attempt
 from trainwatch.actions.launch import begin_attempt
 from trainwatch.config import slurmwatch
 from trainwatch.config.schema import Job, SlurmWatch
@@ -116,6 +119,35 @@ def join(r: JobRunner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
     if (rec := requeue.decided(r, proven.restarts)) is not None:  # every node's choice
         path, step = rec.resume_path, rec.resume_step
         cp = next((e for e in r.catalog.known() if e.step == step and e.path == path), None)
-    a = StepAttempt.attach(r.job, proven, path, step, None, slurm)
+    rings = ring_folder(r, proven)
+    a = StepAttempt.attach(r.job, proven, path, step, rings, slurm)
     begin_attempt(r, a, cp, "attached")
     return a
+
+
+def ring_folder(r: JobRunner, proven: Proven) -> str | None:
+    """The run's folder for its ranks' beat rings, in run_dir, the owner's alone
+    (0700). One a daemon before this one made is kept, rings and all (their
+    writers run on); None (beats come as datagrams) when it cannot be made."""
+    d = attempt.ring_dir(r.socket_path, r.job.name, proven.restarts)
+    try:
+        st = os.lstat(d)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == proven.uid \
+                and stat.S_IMODE(st.st_mode) == 0o700:
+            return d
+        shutil.rmtree(d) if stat.S_ISDIR(st.st_mode) else os.unlink(d)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("job %s: cannot reuse %s (%s): beats come as datagrams", r.job.name, d,
+                    e.strerror or e)
+        return None
+    try:
+        os.mkdir(d, 0o700)
+        if os.geteuid() == 0:
+            os.chown(d, proven.uid, -1, follow_symlinks=False)
+    except OSError as e:
+        log.warning("job %s: cannot create %s (%s): beats come as datagrams", r.job.name, d,
+                    e.strerror or e)
+        return None
+    return d
