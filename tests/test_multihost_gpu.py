@@ -267,9 +267,11 @@ def test_a_host_whose_gpu_fails_leaves_the_group_and_rejoins_after_its_pre_fligh
     for name, ws in (("hA", a), ("hB", b)):
         got = ws.incidents()
         evs = [json.loads(i["evidence"]) for i in got]
-        assert [e.get("group_restart") for e in evs] == [1, 2], "\n".join(
-            [name, *(json.dumps([i["kind"], i["decision"], e]) for i, e in
-                     zip(got, evs, strict=True)), outs[name][-6000:]])
+        if [e.get("group_restart") for e in evs] != [1, 2]:
+            # Printed whole (pytest shortens an assertion's message): seen twice under load.
+            print("\n".join([name, *(json.dumps([i["kind"], i["decision"], e]) for i, e in
+                                     zip(got, evs, strict=True)), outs[name][-12000:]]))
+        assert [e.get("group_restart") for e in evs] == [1, 2], name
         assert evs[0].get("leaves") == "hB" and "go on without it" in evs[0]["group"], \
             (name, got[0])
         assert evs[1].get("joins") == "hB" and evs[1].get("charged") is False, (name, evs[1])

@@ -62,9 +62,10 @@ from trainwatch.watch.logwatch import LogWatch
 
 log = logging.getLogger("trainwatch")
 
-# The published status carries the step at most this often: each rewrite costs an
-# atomic replace (ext4: ~0.4 ms), and `trainwatch status` asks the loop itself.
-_PUBLISH_EVERY = 5.0
+# The published status carries the step at most this often (each rewrite is an
+# atomic replace, ~0.4 ms on ext4): faultinject and scripts wait on it, and 5 s
+# made them act after a short job had ended.
+_PUBLISH_EVERY = 1.0
 # The checkpoint summary the exporter shows is refreshed this often.
 _CATALOG_EVERY = 10.0
 # While stopping, look at the tree this often.
