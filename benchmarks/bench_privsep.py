@@ -18,7 +18,7 @@ end; disk use 1 GiB for (b)):
     ``posix_fadvise(DONTNEED)`` first (as bench_verify.py). Judge: a forced
     listing and judgement by a new ``OnDisk`` (in process) or ``HandDisk`` (in a
     hand as the user); verify: ``Verifier.verify()`` with the manifest already
-    made (a check: what a relaunch waits for; the README's 0.37 s) and without
+    made (a check: what a relaunch waits for; docs/figures.md's 0.37 s) and without
     one (made now), the verifier without a hand vs with one. The hands are warm
     (forked before), as a running daemon's are. ``--n`` rounds (default 5), the
     two ways interleaved per round so that a busy machine hurts both alike.

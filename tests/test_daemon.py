@@ -635,7 +635,7 @@ def test_sigterm_leaves_jobs_running(host: Host) -> None:
 
 
 def test_an_upgrade_sigterm_then_start_adopts_every_job_untouched(host: Host) -> None:
-    """The README's upgrade (systemctl stop: SIGTERM; replace; start): the next daemon
+    """docs/operating.md's upgrade (systemctl stop: SIGTERM; replace; start): the next daemon
     adopts each job (same pid and attempt, steps go on, no signal, no incident, no restart)."""
     host.config([host.job_doc("a"), host.job_doc("b")])
     d1 = host.daemon()

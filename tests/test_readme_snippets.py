@@ -1,13 +1,15 @@
-"""The README's Python snippets run as written. The names a snippet leaves to the
-reader (torch, model, opt, train_step, steps) come from a prelude; everything else,
-the remote URL included, is the README's text, run in a process of its own (the
-remote on a real S3-compatible server, moto_server over HTTP)."""
+"""The documentation's Python snippets run as written (the Snapshots one, moved from
+the README to docs/checkpoints.md). The names a snippet leaves to the reader (torch,
+model, opt, train_step, steps) come from a prelude; everything else, the remote URL
+included, is the page's text, run in a process of its own (the remote on a real
+S3-compatible server, moto_server over HTTP)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -44,9 +46,9 @@ print(json.dumps({"start": start, "last": step}))
 """
 
 
-def python_snippet(section: str) -> str:
-    """The first ```python block under the README's `## <section>` heading."""
-    text = (ROOT / "README.md").read_text()
+def python_snippet(page: str, section: str) -> str:
+    """The first ```python block under the `## <section>` heading of ``page``."""
+    text = (ROOT / page).read_text()
     body = text.split(f"\n## {section}", 1)[1]
     return body.split("```python\n", 1)[1].split("```", 1)[0]
 
@@ -74,7 +76,7 @@ def test_the_snapshots_snippet_runs_as_written_first_then_resumes(
     for module in ("torch", "zstandard"):
         if importlib.util.find_spec(module) is None:
             missing(f"{module} is not installed (make test installs the dev extra)")
-    code = python_snippet("Snapshots")
+    code = python_snippet("docs/checkpoints.md", "Snapshots")
     assert "Snapshotter(" in code and "snap.close()" in code, code
     url = code.split('remote="', 1)[1].split('"', 1)[0]
     assert url.startswith("s3://"), url
@@ -91,3 +93,50 @@ def test_the_snapshots_snippet_runs_as_written_first_then_resumes(
 
     second = _run(script, tmp_path, env, steps=250)
     assert second == {"start": 200, "last": 250}, second
+
+
+def _anchors(text: str) -> set[str]:
+    """The anchors GitHub makes of a page's headings (lower case, punctuation dropped,
+    spaces as hyphens, a repeat numbered), outside code blocks."""
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            n = seen.get(slug, 0)
+            seen[slug] = n + 1
+            out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def test_every_link_of_the_readme_and_docs_leads_somewhere() -> None:
+    """Each relative link in README.md and docs/*.md names a file of the checkout, and
+    each #anchor a heading of its page: the text moved out of the README is reachable."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+                broken.append(f"{page.name}: {target}: no such heading")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_readme_is_a_first_screen() -> None:
+    """The README stays short (well under 150 lines), keeps the two commands as they
+    are, the five-line client and `trainwatch run`, and sends the rest to docs/."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < 150
+    assert "make demo   # sets up .venv" in text and "make test   # sets up .venv" in text
+    assert "hb = client.connect()" in text and "trainwatch run --checkpoint-dir" in text
+    for page in ("jobs", "checkpoints", "faults", "operating", "reference", "figures"):
+        assert f"(docs/{page}.md)" in text, page

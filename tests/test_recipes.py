@@ -1,4 +1,4 @@
-"""Every recipe in the README's Checkpoints section, run as written (`trainwatch
+"""Every recipe of docs/checkpoints.md (once the README's), run as written (`trainwatch
 run` with flags only, no config file): the job is crashed once after step 7 and
 must resume from its newest good checkpoint (step 6), not from scratch."""
 
@@ -19,9 +19,9 @@ BIN = Path(sys.executable).parent
 
 
 def recipes() -> dict[str, list[str]]:
-    """The `trainwatch run` lines of the README's recipes block, by the example they run."""
-    text = (ROOT / "README.md").read_text()
-    block = text.split("### Recipes", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    """The `trainwatch run` lines of the recipes block, by the example they run."""
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    block = text.split("\n## Recipes", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
     out = {}
     for line in block.splitlines():
         if line.startswith("trainwatch run"):
@@ -49,7 +49,7 @@ DRILL = {
 NEEDS = {"hf_train": ("transformers", "accelerate"), "lightning_train": ("lightning",)}
 
 
-def test_the_readme_has_a_recipe_per_framework() -> None:
+def test_the_docs_have_a_recipe_per_framework() -> None:
     """Plain PyTorch, torchrun's snapshot.pt, HF Trainer, Lightning, DCP, trainwatch.snapshot,
     and a torchrun job without the client."""
     assert set(recipes()) == set(DRILL)

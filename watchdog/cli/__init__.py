@@ -14,6 +14,8 @@ from typing import Any, NoReturn
 
 from trainwatch import __version__
 from trainwatch.cli import commands
+from trainwatch.cli.logformat import FORMATS as LOG_FORMATS
+from trainwatch.cli.logformat import JsonFormatter
 from trainwatch.config import (
     ConfigError,
     Job,
@@ -101,13 +103,21 @@ class IsoFormatter(logging.Formatter):
         return when.isoformat(timespec="milliseconds")
 
 
-def _setup_logging(quiet: bool = False) -> None:
+def _setup_logging(quiet: bool = False, log_format: str = "text") -> None:
     from trainwatch.actions.passthrough import LogHandler
 
     # Not a StreamHandler: a blocking write to a stalled stderr would stall the loop.
     handler = LogHandler(sys.stderr.fileno())
-    handler.setFormatter(IsoFormatter("%(asctime)s trainwatch: %(message)s"))
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else IsoFormatter("%(asctime)s trainwatch: %(message)s"))
     logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler])
+
+
+def _log_format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="trainwatch's own log lines: text (default) or json, one object"
+                             " a line (time, level, logger, job, event, fields), for hosts"
+                             " without journald")
 
 
 def _run_config(args: argparse.Namespace) -> tuple[Any, Job]:
@@ -244,7 +254,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trainwatch.host.supervisor import Supervisor
 
     config, _job = _run_config(args)
-    _setup_logging(args.quiet)
+    _setup_logging(args.quiet, args.log_format)
     # A foreground wrapper: its job must not outlive it (the daemon adopts instead).
     return Supervisor(config, passthrough=not args.no_passthrough, die_with_parent=True).run()
 
@@ -255,11 +265,11 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     load(args.config)  # a bad config: one line, before anything starts
     host = _host(args.host) if args.host is not None else None
-    journal = journal_handler()
+    journal = journal_handler() if args.log_format == "text" else None
     if journal is not None:  # under systemd: structured fields (TRAINWATCH_JOB=...)
         logging.basicConfig(level=logging.INFO, handlers=[journal])
-    else:
-        _setup_logging(False)
+    else:  # --log-format json goes to stderr, journald or not: it was asked for
+        _setup_logging(False, args.log_format)
     return daemon_main(args.config, host)
 
 
@@ -380,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--observe-only", action="store_true", help="record, never signal the job")
     r.add_argument("--no-passthrough", action="store_true", help="only log the job's output")
     r.add_argument("-q", "--quiet", action="store_true", help="only warnings from trainwatch")
+    _log_format_option(r)
     r.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     r.set_defaults(fn=cmd_run)
 
@@ -387,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     dm.add_argument("--config", default=DEFAULT_CONFIG, help=f"default {DEFAULT_CONFIG}")
     dm.add_argument("--host", help="this host's name (default: config's host, else the "
                     "hostname)")
+    _log_format_option(dm)
     dm.set_defaults(fn=cmd_daemon)
 
     cg = sub.add_parser("clear-gpu", help="put an excluded GPU back in service")
