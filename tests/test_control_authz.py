@@ -264,3 +264,57 @@ def test_host_wide_requests_are_for_admins_only(host: Host) -> None:
         "gpu-xid: GPU monitoring is off (gpu.backend: off)"
     p = host.cli(ADMIN, "reload")
     assert p.returncode == 0 and p.stdout.startswith("reloaded: no changes"), p.stderr
+
+
+def _get(host: Host, user: str | None, path: str) -> tuple[int, str]:
+    """GET ``path`` on the daemon's metrics port from a process running as ``user``
+    (None: root): (HTTP status, body)."""
+    code = ("import sys, urllib.request, urllib.error\n"
+            "try:\n"
+            "    r = urllib.request.urlopen(sys.argv[1], timeout=30)\n"
+            "    status, body = r.status, r.read()\n"
+            "except urllib.error.HTTPError as e:\n"
+            "    status, body = e.code, e.read()\n"
+            "print(status)\nsys.stdout.write(body.decode())\n")
+    cmd = [host.up.python, "-c", code, f"http://127.0.0.1:{host.port}{path}"]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={pwd.getpwnam(user).pw_gid}",
+               "--init-groups", *cmd]
+    p = subprocess.run(cmd, env=host.up.env(), capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert p.returncode == 0, p.stderr
+    status, _, body = p.stdout.partition("\n")
+    return int(status), body
+
+
+def test_each_user_is_served_the_incident_pages_of_their_own_jobs_only(host: Host) -> None:
+    """Each job crashes once (SIGKILL); on the metrics port, /incidents/ lists alice's
+    incident to alice, bob's to bob, both to the admin and none to carol, and
+    /incidents/N of another user's job is 404, as if it did not exist. (Run last:
+    it leaves an incident on each job.)"""
+    before = {job: host.status(job) for job in JOBS}
+    for job in JOBS:
+        os.kill(before[job]["pid"], signal.SIGKILL)
+    for job in JOBS:
+        wait_for(lambda job=job: host.state(job) == "running"
+                 and host.status(job)["attempt"] > before[job]["attempt"], timeout=60,
+                 what=f"job {job} relaunched")
+    p = host.cli(None, "incidents", "--json")
+    assert p.returncode == 0, p.stderr
+    ids = {i["job"]: i["id"] for i in json.loads(p.stdout)}
+    assert sorted(ids) == ["a", "b"], p.stdout
+    for user, mine in ((ALICE, ["a"]), (BOB, ["b"]), (ADMIN, ["a", "b"]), (CAROL, [])):
+        status, index = _get(host, user, "/incidents/")
+        assert status == 200, index
+        assert sorted(j for j in JOBS if f'href="/incidents/{ids[j]}"' in index) == mine, \
+            (user, index[:2000])
+        for job, n in ids.items():
+            status, page = _get(host, user, f"/incidents/{n}")
+            if job in mine:
+                assert status == 200 and f"trainwatch incident {n}: crash on {job}" in page, \
+                    (user, status, page[:500])
+            else:
+                assert (status, page.count(f"crash on {job}")) == (404, 0), (user, page[:500])
+    assert _get(host, None, f"/incidents/{ids['a']}")[0] == 200  # root: an admin
+    assert _get(host, ALICE, "/incidents/nope")[0] == 404
+

@@ -216,8 +216,10 @@ def test_a_beat_without_loss_keeps_the_exported_loss_and_its_step(ws: Workspace)
     wait_for(lambda: (scrape.get("trainwatch_job_step", job="job") or 0) >= 25, timeout=60,
              what="step 25")
     for _ in range(5):  # whatever the scrape lands on, beats with and without loss
-        loss = scrape.get("trainwatch_job_loss", job="job")
-        at = scrape.get("trainwatch_job_loss_step", job="job")
+        got = wait_for(scrape.samples, what="a scrape")  # both from one scrape
+        job = frozenset({("job", "job")})
+        loss = got.get(("trainwatch_job_loss", job))
+        at = got.get(("trainwatch_job_loss_step", job))
         assert loss is not None and at is not None
         assert at % 10 == 0 and loss == 1.0 / at
         time.sleep(0.03)

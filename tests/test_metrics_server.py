@@ -5,6 +5,7 @@ connections held and reopened, a trickled request, an oversized one)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -225,3 +226,48 @@ def test_an_oversized_request_head_is_closed_and_counted(servers: list[Any]) -> 
         assert "tw_test_things_total" in _scrape(s.server_address[1])[1]
     finally:
         c.close()
+
+
+def test_slow_incident_pages_never_hold_up_a_scrape(servers: list[Any]) -> None:
+    """Pages render in a thread of their own from a short queue: 24 page requests at
+    once, each taking 1 s to render, are answered (200, or 503 when the queue is
+    full) while every scrape meanwhile gets its 200 (rendered with the pages, the
+    scrapes would wait ~12 s behind them)."""
+    import threading
+    import urllib.error
+
+    rendered: list[tuple[str, int | None]] = []
+
+    def pages(path: str, uid: int | None) -> tuple[int, bytes]:
+        rendered.append((path, uid))
+        time.sleep(1.0)
+        return 200, b"<!doctype html><p>page"
+
+    server = _server(pages=pages)
+    servers.append(server)
+    port = server.server_address[1]
+    got: list[int] = []
+
+    def ask() -> None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/incidents/1", timeout=60) as r:
+                got.append(r.status)
+        except urllib.error.HTTPError as e:
+            got.append(e.code)
+
+    askers = [threading.Thread(target=ask) for _ in range(24)]
+    for t in askers:
+        t.start()
+    scrapes = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        _, text = _scrape(port)
+        scrapes.append(time.monotonic() - t0)
+        assert "tw_test_things_total 3.0" in text
+    for t in askers:
+        t.join(timeout=60)
+    assert len(got) == 24 and set(got) <= {200, 503} and 200 in got, got
+    assert got.count(200) == len(rendered), (got, len(rendered))
+    # This process is the client: the page was told its own uid.
+    assert {uid for _, uid in rendered} == {os.geteuid()}, rendered
+    assert sum(scrapes) < 6.0, scrapes

@@ -16,11 +16,15 @@ reads the ledger read-only, as it always has; so does ``checkpoints JOB
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
 import sqlite3
 import sys
+import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from trainwatch.cli.tables import (
@@ -170,26 +174,97 @@ def _ledger_rows(state_dir: str, job: str | None, limit: int, *,
         ledger.close()
 
 
+def _state_dir(args: argparse.Namespace) -> str:
+    """--state-dir, else the config's state_dir, else the default one."""
+    config = load(args.config) if args.config else None
+    return str(args.state_dir or (config.state_dir if config else default_dirs()[0]))
+
+
+def _no_ledger(state_dir: str) -> Callable[[], Exception]:
+    return lambda: ConfigError(f"{state_dir}: no ledger here (expected {state_dir}/ledger.db)")
+
+
 def _show(args: argparse.Namespace) -> int:
     """One incident in full, from the ledger and the evidence kept beside it."""
-    config = load(args.config) if args.config else None
-    state_dir = str(args.state_dir or (config.state_dir if config else default_dirs()[0]))
-    rows = _ledger_rows(state_dir, None, 1 << 30, missing=lambda: ConfigError(
-        f"{state_dir}: no ledger here (expected {state_dir}/ledger.db)"))
+    state_dir = _state_dir(args)
+    rows = _ledger_rows(state_dir, None, 1 << 30, missing=_no_ledger(state_dir))
     row = next((r for r in rows if r["id"] == args.show), None)
     if row is None:
         raise Failed(f"no incident {args.show} in {state_dir}/ledger.db", "incidents")
-    if args.json:
+    if args.html is not None:
+        from trainwatch.evidence import page  # the renderer: only for --html
+
+        _write_html(args.html, page.incident_page(state_dir, row, args.grafana),
+                    f"incident {row['id']} ({row['kind']} on {row['job']})")
+    elif args.json:
         _print_json(row)
     else:
         print(show.render(row, show.folder(state_dir, row["job"], row["id"])))
     return 0
 
 
+def _write_html(path: str, text: str, what: str | None) -> None:
+    """The page to ``path`` (``-``: stdout), whole or not at all (a temp file beside
+    it, renamed over it), readable as the umask allows; a line says where (unless
+    ``what`` is None)."""
+    if path == "-":
+        sys.stdout.write(text)
+        return
+    dest = Path(path)
+    if dest.is_dir():
+        raise Failed(f"--html {path}: is a folder (expected a file name, e.g. "
+                     f"{dest / 'index.html'})", "incidents")
+    tmp = dest.parent / f".{dest.name}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        try:
+            with open(fd, "w", encoding="utf-8", closefd=False) as f:
+                f.write(text)
+        finally:
+            os.close(fd)
+        os.replace(tmp, dest)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise Failed(f"--html {path}: cannot write it: {e.strerror or e}", "incidents") from None
+    if what is not None:
+        print(f"wrote {what} to {dest} ({len(text.encode()) // 1024 + 1} KiB)",
+              file=sys.stderr)
+
+
+def _index(args: argparse.Namespace) -> int:
+    """The index page of the ledger's incidents (--job's only), each job's goodput
+    over time; and each listed incident's page beside it (``page.INCIDENT_LINK``),
+    where the index links to them."""
+    from trainwatch.evidence import page  # the renderer: only for --html
+
+    state_dir = _state_dir(args)
+    rows = _ledger_rows(state_dir, args.job, args.limit, missing=_no_ledger(state_dir))
+    if args.job and not rows:
+        raise Failed(f"no incidents of job {args.job!r} in {state_dir}/ledger.db", "incidents")
+    if args.html == "-":
+        _write_html("-", page.index_page(state_dir, rows, args.grafana), None)
+        return 0
+    here = Path(args.html).parent
+    if not here.is_dir():
+        raise Failed(f"--html {args.html}: cannot write it: no folder {here}", "incidents")
+    for row in rows:  # first: the index links only to pages that are there
+        _write_html(str(here / page.INCIDENT_LINK.replace("{id}", str(row["id"]))),
+                    page.incident_page(state_dir, row, args.grafana), None)
+    _write_html(args.html, page.index_page(state_dir, rows, args.grafana),
+                f"the index of {len(rows)} incident(s) (their pages beside it, "
+                f"{page.INCIDENT_LINK.replace('{id}', 'N')})")
+    return 0
+
+
 @_command
 def cmd_incidents(args: argparse.Namespace) -> int:
+    if args.grafana is not None and args.html is None:
+        raise ConfigError("--grafana: expected only with --html (the links go on the page)")
     if args.show is not None:
         return _show(args)
+    if args.html is not None:
+        return _index(args)
     limit = args.limit
     if args.state_dir and not args.run_dir:
         # The user named the ledger: read it, daemon or not (as before issue 10).
@@ -320,6 +395,14 @@ def _count(least: int) -> Callable[[str], int]:
     return parse
 
 
+def _base_url(text: str) -> str:
+    u = urllib.parse.urlsplit(text)
+    if u.scheme not in ("http", "https") or not u.netloc or u.query or u.fragment:
+        raise argparse.ArgumentTypeError(
+            f"expected Grafana's base URL (http[s]://host[:port][/path]), got {text!r}")
+    return text.rstrip("/")
+
+
 def _seconds(text: str) -> float:
     try:
         return fields.duration(text)
@@ -350,6 +433,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     i.add_argument("--show", type=_count(1), metavar="N",
                    help="incident N in full: its evidence, each rank's stack, the rank "
                         "named and why (from the ledger)")
+    i.add_argument("--html", metavar="FILE",
+                   help="write a self-contained HTML page (nothing on it is fetched): with "
+                        "--show, incident N's; else an index of the incidents (--job's) with "
+                        "each job's goodput over time, and each listed incident's page beside "
+                        "it (incident-N.html); - for stdout. Reads the ledger in --state-dir "
+                        "(else the config's, else the default)")
+    i.add_argument("--grafana", type=_base_url, metavar="URL",
+                   help="with --html: link the job's Grafana dashboards for the incident's "
+                        "window (Grafana's base URL, e.g. http://grafana:3000)")
 
     c = command("checkpoints", "a job's checkpoints and their verdicts", cmd_checkpoints)
     c.add_argument("job")

@@ -10,7 +10,7 @@ happens, in prometheus-client counters and histograms held by ``Events``
 
 Naming follows DESIGN: prefix ``trainwatch_``, base units, ``_total`` on
 counters, labels of bounded cardinality only (never a step, a path or a
-message). The README documents every family; a test compares that list with
+message). docs/reference.md documents every family; a test compares that list with
 a live scrape.
 """
 
@@ -34,6 +34,7 @@ from trainwatch.export import gpumetrics, handmetrics
 from trainwatch.export.events import Events
 from trainwatch.export.families import counter as _counter
 from trainwatch.export.families import gauge as _gauge
+from trainwatch.export.incidentpages import IncidentPages
 from trainwatch.export.jobusage import JobUsageCollector
 from trainwatch.export.metricsserver import MetricsServer
 from trainwatch.state import statewrites
@@ -256,10 +257,13 @@ class Exporter:
         GCCollector(registry=self.registry)
         self.server: MetricsServer | None = None
         self._thread: threading.Thread | None = None
+        # The incident pages served beside /metrics (export/incidentpages.py).
+        self.pages = IncidentPages(supervisor.config.state_dir, lambda: {
+            r.job.name: r.job.user for r in list(supervisor.runners)})
 
     def start(self, address: str, port: int) -> None:
         """Raises OSError when the port cannot be bound."""
-        self.server = MetricsServer(address, port, self.registry)
+        self.server = MetricsServer(address, port, self.registry, pages=self.pages)
         self._thread = self.server.start()
 
     def close(self) -> None:

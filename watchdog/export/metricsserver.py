@@ -44,6 +44,7 @@ from typing import Any
 
 from prometheus_client import MetricsHandler
 from prometheus_client.registry import Collector
+from trainwatch.export import pageserve
 
 log = logging.getLogger("trainwatch")
 
@@ -107,7 +108,8 @@ class MetricsServer:
 
     def __init__(self, address: str, port: int, registry: Collector,
                  max_connections: int | None = None, io_timeout: float = IO_TIMEOUT,
-                 deadline: float = DEADLINE, workers: int = WORKERS) -> None:
+                 deadline: float = DEADLINE, workers: int = WORKERS,
+                 pages: pageserve.Pages | None = None) -> None:
         """``max_connections``: by default MAX_CONNECTIONS, or a quarter of the
         descriptors this process may open when that is fewer (the rest are the
         jobs', the ledger's, the hands'), never under 16."""
@@ -146,6 +148,8 @@ class MetricsServer:
         self._next_sweep = 0.0
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # Incident pages (pageserve.py), rendered apart from the scrapes.
+        self._pages = pageserve.PageWorker(pages, self._rendered_page) if pages else None
 
     @property
     def open_connections(self) -> int:
@@ -157,6 +161,8 @@ class MetricsServer:
     def start(self) -> threading.Thread:
         for w in self._workers:
             w.start()
+        if self._pages is not None:
+            self._pages.start()
         t = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
         self._thread = t
         t.start()
@@ -169,6 +175,8 @@ class MetricsServer:
             self._thread.join(timeout=10)
         for _ in self._workers:
             self._todo.put(None)
+        if self._pages is not None:
+            self._pages.stop()
         for c in list(self._conns.values()):
             self._drop(c)
         self._sel.close()
@@ -269,7 +277,17 @@ class MetricsServer:
         if b"\n\r\n" in c.head or b"\n\n" in c.head:
             c.phase = _RENDERING
             self._sel.unregister(c.sock)
-            self._todo.put((c, bytes(c.head)))
+            path = pageserve.path_of(bytes(c.head)) if self._pages is not None else None
+            if path is None or self._pages is None:
+                self._todo.put((c, bytes(c.head)))
+                return
+            try:
+                server = c.sock.getsockname()
+            except OSError:
+                server = None
+            now = self._pages.submit(c, path, c.peer, server)
+            if now is not None:
+                self._rendered.append((c, now))
         elif len(c.head) > MAX_HEAD:
             self._count("error")
             self._drop(c)
@@ -286,6 +304,10 @@ class MetricsServer:
                 log.warning("metrics: a scrape failed: %s: %s", type(e).__name__, e)
             self._rendered.append((c, answer))
             self._wake()
+
+    def _rendered_page(self, c: _Conn, answer: bytes | None) -> None:
+        self._rendered.append((c, answer))
+        self._wake()
 
     def _answer(self, c: _Conn, answer: bytes | None) -> None:
         if c.sock.fileno() < 0:
