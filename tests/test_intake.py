@@ -12,9 +12,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from conftest import Workspace, finish, wait_for
 from trainwatch.sources import ring
 from trainwatch.types import Beat
@@ -167,17 +169,25 @@ def test_a_ring_first_read_after_its_writer_exited_still_counts(ws: Workspace) -
     assert (st["rings"]["read"], st["rings"]["refused"]) == (1, 0), st["rings"]
 
 
-def test_a_beat_sent_both_as_a_datagram_and_in_the_ring_is_handed_on_once(
-        tmp_path: Path) -> None:
-    """A client with a ring sends its first beat and each non-finite one as a datagram
-    too: the detectors get every step once, in order once the ring is being read
-    (a step counted twice weighs twice in their statistics and an incident's series)."""
+@dataclass
+class _Bare:
+    """A real Intake on a temp folder, believing as the runner does: root's datagrams
+    (the tests run as root) and the pids that have beaten; ``beats`` in order."""
+
+    intake: Intake
+    rings: Path
+    sock: Path
+    beats: list[Beat]
+
+
+@pytest.fixture
+def bare(tmp_path: Path) -> Iterator[_Bare]:
     believed: set[int] = set()
-    seen: list[tuple[int, str]] = []
+    got: list[Beat] = []
 
     def on_beats(beats: Sequence[Beat]) -> None:
         believed.update(b.pid for b in beats)
-        seen.extend((b.step, repr(b.loss)) for b in beats)
+        got.extend(beats)
 
     sel = selectors.DefaultSelector()
     rings = tmp_path / "rings"
@@ -185,6 +195,18 @@ def test_a_beat_sent_both_as_a_datagram_and_in_the_ring_is_handed_on_once(
     intake = Intake("job", str(tmp_path / "job.sock"), sel,
                     lambda pid, uid: uid == 0 or pid in believed,
                     time.monotonic, None, on_beats, lambda _r: None)
+    try:
+        intake.new_attempt(str(rings))
+        yield _Bare(intake, rings, tmp_path / "job.sock", got)
+    finally:
+        intake.close()
+        sel.close()
+
+
+def test_a_beat_sent_both_as_a_datagram_and_in_the_ring_is_handed_on_once(bare: _Bare) -> None:
+    """A client with a ring sends its first beat and each non-finite one as a datagram
+    too: the detectors get every step once, in order once the ring is being read
+    (a step counted twice weighs twice in their statistics and an incident's series)."""
     # Steps 1-4, then (once told on stdin) 5-8; 1 (its first) and the NaNs 3 and 7
     # come both ways: 3 before its ring is open, 7 after.
     code = ("import math, sys\nfrom trainwatch import client\n"
@@ -193,59 +215,38 @@ def test_a_beat_sent_both_as_a_datagram_and_in_the_ring_is_handed_on_once(
             "    for s in range(a, b):\n"
             "        hb.beat(s, loss=math.nan if s in (3, 7) else 1.0 / s)\n"
             "beats(1, 5)\nprint('4', flush=True)\nsys.stdin.readline()\nbeats(5, 9)\n")
-    p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "job.sock"), str(rings)],
+    p = subprocess.Popen([sys.executable, "-c", code, str(bare.sock), str(bare.rings)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        intake.new_attempt(str(rings))
         assert p.stdout is not None and p.stdin is not None
         assert p.stdout.readline() == "4\n"
-        intake.drain()
-        assert len(intake.readers) == 1
-        assert sorted(s for s, _ in seen) == [1, 2, 3, 4], seen
+        bare.intake.drain()
+        assert len(bare.intake.readers) == 1
+        assert sorted(b.step for b in bare.beats) == [1, 2, 3, 4], bare.beats
         p.stdin.write("go\n")
         p.stdin.close()
         assert p.wait(timeout=60) == 0
-        intake.drain()
-        assert [s for s, _ in seen[4:]] == [5, 6, 7, 8], seen
-        assert [loss for s, loss in seen if s in (3, 7)] == ["nan", "nan"], seen
+        bare.intake.drain()
+        assert [b.step for b in bare.beats[4:]] == [5, 6, 7, 8], bare.beats
+        assert [repr(b.loss) for b in bare.beats if b.step in (3, 7)] == ["nan", "nan"]
     finally:
         p.kill()
         p.wait()
-        intake.close()
-        sel.close()
 
 
 def test_a_ring_seen_before_its_writers_first_datagram_is_read_once_that_comes(
-        tmp_path: Path) -> None:
+        bare: _Bare) -> None:
     """The loop's ring poll finds a rank's ring before the datagram that announces
     it (the writer has beaten 20 times and exited): not provable yet, the ring is
     looked at again when that pid's datagram comes, and all 20 steps count."""
-    believed: set[int] = set()
-    steps: list[int] = []
-
-    def on_beats(beats: Sequence[Beat]) -> None:  # as the runner: a pid that beat is believed
-        believed.update(b.pid for b in beats)
-        steps.extend(b.step for b in beats)
-
-    sel = selectors.DefaultSelector()
-    rings = tmp_path / "rings"
-    rings.mkdir()
-    # As the runner's: root's datagrams (this test runs as root), and pids that beat.
-    intake = Intake("job", str(tmp_path / "job.sock"), sel,
-                    lambda pid, uid: uid == 0 or pid in believed,
-                    time.monotonic, None, on_beats, lambda _r: None)
-    try:
-        intake.new_attempt(str(rings))
-        code = ("import sys\nfrom trainwatch import client\n"
-                "hb = client.Heartbeat(sys.argv[1], 0, sys.argv[2])\n"
-                "for s in range(1, 21):\n    hb.beat(s, loss=1.0 / s)\n")
-        subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.sock"), str(rings)],
-                       check=True, timeout=60)
-        intake.tick(time.monotonic() + 2)  # the ring poll first: its writer is unknown
-        assert intake.readers == {} and intake.rings_refused == 1
-        intake.drain()  # then its datagram: the pid beat, the ring is looked at again
-        assert max(steps) == 20, steps
-        assert (len(intake.readers), intake.rings_refused) == (1, 0)
-    finally:
-        intake.close()
-        sel.close()
+    code = ("import sys\nfrom trainwatch import client\n"
+            "hb = client.Heartbeat(sys.argv[1], 0, sys.argv[2])\n"
+            "for s in range(1, 21):\n    hb.beat(s, loss=1.0 / s)\n")
+    subprocess.run([sys.executable, "-c", code, str(bare.sock), str(bare.rings)],
+                   check=True, timeout=60)
+    intake = bare.intake
+    intake.tick(time.monotonic() + 2)  # the ring poll first: its writer is unknown
+    assert intake.readers == {} and intake.rings_refused == 1
+    intake.drain()  # then its datagram: the pid beat, the ring is looked at again
+    assert max(b.step for b in bare.beats) == 20, bare.beats
+    assert (len(intake.readers), intake.rings_refused) == (1, 0)

@@ -17,6 +17,7 @@ from trainwatch.detectors.stacks import frames, main_thread
 from trainwatch.evidence import series
 from trainwatch.evidence.capture import SUMMARY
 from trainwatch.evidence.pyspy import frame
+from trainwatch.evidence.sections import evidence
 from trainwatch.state.atomic import read_json
 
 ROW_FIELDS = ("job", "kind", "rank", "gpu", "action", "decision", "attempt", "observe_only",
@@ -33,23 +34,13 @@ def folder(state_dir: str, job: str, incident: int) -> Path:
     return Path(state_dir) / "jobs" / job / "incidents" / str(int(incident))
 
 
-def _evidence(row: dict[str, Any]) -> dict[str, Any]:
-    ev = row.get("evidence")
-    if isinstance(ev, str):
-        try:
-            ev = json.loads(ev)
-        except ValueError:
-            return {"raw": ev}
-    return ev if isinstance(ev, dict) else {}
-
-
 def _head(row: dict[str, Any]) -> list[str]:
     when = row.get("time")
     stamp = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when))
              if isinstance(when, (int, float)) else "-")
     out = [f"incident {row.get('id', '?')} at {stamp}"]
     out += [f"  {k}: {row[k]}" for k in ROW_FIELDS if row.get(k) is not None]
-    ev = {k: v for k, v in _evidence(row).items() if k != ROLLBACK}  # shown by _rollback
+    ev = {k: v for k, v in evidence(row).items() if k != ROLLBACK}  # shown by _rollback
     if ev:
         out.append("  evidence:")
         out += [f"    {k}: {json.dumps(v) if isinstance(v, (dict, list)) else v}"
@@ -66,7 +57,7 @@ def _steps(steps: object, count: object) -> str:
 
 def _rollback(row: dict[str, Any]) -> list[str]:
     """What a rollback past a loss anomaly did (actions/rollback.py apply)."""
-    rb = _evidence(row).get(ROLLBACK)
+    rb = evidence(row).get(ROLLBACK)
     if not isinstance(rb, dict):
         return []
     w, prev = rb.get("window") or ["?", "?"], rb.get("previous_window")
@@ -89,7 +80,7 @@ def _absent(row: dict[str, Any], where: Path) -> str:
     the job's evidence.kinds, or nothing was left to capture), or lost."""
     if (where / SUMMARY).exists():
         return f"process evidence unreadable: {where / SUMMARY}"
-    kept = [x for x, there in (("the rollback", _evidence(row).get(ROLLBACK) is not None),
+    kept = [x for x, there in (("the rollback", evidence(row).get(ROLLBACK) is not None),
                                ("the loss series", (where / series.NAME).exists())) if there]
     what = f"kept: {' and '.join(kept)}; " if kept else ""
     return (f"{what}stacks and log tail: none kept for this {row.get('kind')} (captured only "
@@ -162,7 +153,7 @@ def _files(where: Path) -> list[str]:
 def _group(row: dict[str, Any]) -> list[str]:
     """A multi-host job's group restart (multihost/group.py): where it began and
     what every host claimed, the same on every host's incident of it."""
-    ev = _evidence(row)
+    ev = evidence(row)
     gen = ev.get("group_restart")
     if not isinstance(gen, int):
         return []
