@@ -326,6 +326,13 @@ def test_a_rollback_page_marks_onset_detection_resume_skip_window_and_quarantine
         assert f"TRAINWATCH_SKIP_STEPS={w[0]}:{w[1]}" in page.text
         assert f"resumed from step {rb['resume_step']}" in page.text
         assert_self_contained((tmp_path / f"{inc['id']}.html").read_text())
+        # The checkpoints table is the catalog as it stood at the incident, kept with it:
+        # no checkpoint the relaunches wrote after it.
+        kept = json.loads((state / "jobs" / "job" / "incidents" / str(inc["id"])
+                           / "catalog.json").read_text())
+        now = json.loads((state / "jobs" / "job" / "catalog.json").read_text())
+        assert max(map(int, kept["reported"])) < max(map(int, now["reported"])) == 90, kept
+        assert "as the catalog judged them when the incident was recorded" in page.text
     # The widened window of the second rollback names the one it widened.
     assert "widening 1 of 3 of the window 50-50" in render(
         state, incs[1]["id"], tmp_path / "again.html").text

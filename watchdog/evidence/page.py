@@ -159,7 +159,7 @@ def incident_page(state_dir: str, row: Mapping[str, Any], grafana: str | None = 
               gpus_state if isinstance(gpus_state, dict) else None),
         _safe("how it ended", sections.crash, row),
         _safe("the line that matched", sections.log_rule, row),
-        _safe("checkpoints", sections.checkpoints, row, Path(state_dir) / "jobs" / job),
+        _safe("checkpoints", sections.checkpoints, row, Path(state_dir) / "jobs" / job, where),
         _safe("log tail", sections.log_tail, where),
         _grafana(grafana, row, min(known) if known else None, max(known) if known else None),
         _safe("evidence", sections.raw_evidence, row),

@@ -16,7 +16,8 @@ from typing import Any
 from trainwatch.detectors.stacks import Signature, frames, main_thread, signature
 from trainwatch.evidence.markup import esc, kv, section, table, tag
 from trainwatch.evidence.pyspy import frame
-from trainwatch.evidence.sections import as_dict, as_list, evidence, read_json
+from trainwatch.evidence.sections import as_dict, as_list, read_json
+from trainwatch.evidence.show import evidence
 
 MAX_RANKS = 256  # ranks listed (and stack files read); the rest are counted
 MAX_GROUPS = 12  # stack groups shown in full; the rest are listed by their ranks

@@ -21,6 +21,7 @@ from trainwatch.detectors.xid import classify
 from trainwatch.evidence import series
 from trainwatch.evidence.chart import Line, Mark, chart, step_fmt
 from trainwatch.evidence.markup import Raw, esc, kv, section, table, tag
+from trainwatch.evidence.show import CATALOG, evidence
 
 ROLLBACK = "rollback"  # the evidence key actions/rollback.py records under
 MAX_FILE = 2 << 20  # bytes read of one kept file (a stack dump, the series)
@@ -29,16 +30,6 @@ MAX_SERIES = 16 << 20  # bytes of series.json read
 MAX_CHECKPOINTS = 24  # rows of the checkpoints table: those nearest the incident
 LOG_LINES = 50
 _NOT_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def evidence(row: Mapping[str, Any]) -> dict[str, Any]:
-    ev = row.get("evidence")
-    if isinstance(ev, str):
-        try:
-            ev = json.loads(ev)
-        except ValueError:
-            return {"raw": ev}
-    return ev if isinstance(ev, dict) else {}
 
 
 def read_json(path: Path, limit: int = MAX_FILE) -> Any:
@@ -235,10 +226,14 @@ def log_rule(row: Mapping[str, Any]) -> str:
 # --- checkpoints and the log tail -------------------------------------------------
 
 
-def checkpoints(row: Mapping[str, Any], job_dir: Path) -> str:
-    """The job's checkpoints as its catalog (catalog.json) records them now, those
-    nearest the incident; this incident's quarantine and resume marked."""
-    state = read_json(job_dir / "catalog.json")
+def checkpoints(row: Mapping[str, Any], job_dir: Path, where: Path | None = None) -> str:
+    """The job's checkpoints as its catalog recorded them at the incident (kept in
+    the incident's folder ``where``; else the job's catalog.json now), those nearest
+    the incident; this incident's quarantine and resume marked."""
+    kept = where / CATALOG if where is not None else None
+    at_incident = kept is not None and kept.exists()
+    source = kept if at_incident and kept is not None else job_dir / "catalog.json"
+    state = read_json(source)
     if not isinstance(state, dict):
         return section("Checkpoints", '<p class="note">no catalog recorded for this job</p>',
                        "checkpoints")
@@ -267,9 +262,10 @@ def checkpoints(row: Mapping[str, Any], job_dir: Path) -> str:
         rows.append([s, verdict, h.get("loss"), ",".join(map(str, as_list(used.get(s)))) or "-",
                      reported.get(s) or "-", why or "", "; ".join(notes)])
         classes.append("this" if notes else "")
-    body = (f'<p class="note">as recorded now in {esc(job_dir / "catalog.json")} (the catalog '
-            f"is not kept per incident; this incident's own record of what it quarantined is "
-            f"above); {len(near)} of {len(every)} checkpoints, nearest step {centre}</p>"
+    said = ("as the catalog judged them when the incident was recorded" if at_incident else
+            f"as recorded now in {esc(source)} (no copy was kept with this incident)")
+    body = (f'<p class="note">{said}; a rollback\'s own record of what it quarantined is '
+            f"above; {len(near)} of {len(every)} checkpoints, nearest step {centre}</p>"
             + table(("step", "verdict", "loss", "resumed by attempts", "path", "why",
                      "this incident"), rows, classes, numeric=(0, 2)))
     return section("Checkpoints", body, "checkpoints")

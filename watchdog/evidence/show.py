@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,6 @@ from trainwatch.detectors.stacks import frames, main_thread
 from trainwatch.evidence import series
 from trainwatch.evidence.capture import SUMMARY
 from trainwatch.evidence.pyspy import frame
-from trainwatch.evidence.sections import evidence
 from trainwatch.state.atomic import read_json
 
 ROW_FIELDS = ("job", "kind", "rank", "gpu", "action", "decision", "attempt", "observe_only",
@@ -25,6 +25,21 @@ ROW_FIELDS = ("job", "kind", "rank", "gpu", "action", "decision", "attempt", "ob
 ROLLBACK = "rollback"  # the evidence key actions/rollback.py records what it did under
 MAX_FRAMES = 15  # per rank; deeper frames are counted, not printed
 LOG_LINES = 20
+
+
+def evidence(row: Mapping[str, Any]) -> dict[str, Any]:
+    """An incident row's evidence as a dict (its JSON text parsed; {"raw": text}
+    when it is not JSON)."""
+    ev = row.get("evidence")
+    if isinstance(ev, str):
+        try:
+            ev = json.loads(ev)
+        except ValueError:
+            return {"raw": ev}
+    return ev if isinstance(ev, dict) else {}
+
+
+CATALOG = "catalog.json"  # in an incident's folder: the job's catalog as of the incident
 
 
 def folder(state_dir: str, job: str, incident: int) -> Path:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from trainwatch.actions import evidence, hook, rollback
 from trainwatch.actions import stop as stopping
 from trainwatch.evidence import series
-from trainwatch.evidence.show import folder
+from trainwatch.evidence.show import CATALOG, folder
 from trainwatch.lifecycle.policy import choose, decide
 from trainwatch.multihost import group, leave
 from trainwatch.slurm import requeue
@@ -79,6 +79,15 @@ def keep_series(r: Runner, fault: Fault, incident: int) -> None:
         log.warning("job %s: incident %d: loss series not kept: %s", r.job.name, incident, e)
 
 
+def keep_catalog(r: Runner, incident: int) -> None:
+    """The job's checkpoints as the catalog judged them at the incident, beside it
+    (the incident page's table; the job's catalog.json moves on)."""
+    try:
+        r.catalog.keep(folder(r.config.state_dir, r.job.name, incident) / CATALOG)
+    except (OSError, ValueError, TypeError) as e:  # a full state_dir costs the table only
+        log.warning("job %s: incident %d: checkpoints not kept: %s", r.job.name, incident, e)
+
+
 def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
     a = r.attempt
     assert a is not None
@@ -122,6 +131,8 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
         r.last_incident = incident  # its grant is in the history saved from now on
     if fault.kind in series.LOSS_KINDS and incident is not None and incident >= 0:
         keep_series(r, fault, incident)
+    if incident is not None and incident >= 0:
+        keep_catalog(r, incident)
     ev = ", ".join(f"{k}={v}" for k, v in fault.evidence.items())
     log.warning("job %s: %s (%s) -> %s: %s", r.job.name, fault.kind.value, ev,
                 action.value, reason)

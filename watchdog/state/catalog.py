@@ -165,14 +165,18 @@ class Catalog:
             statewrites.failed("catalog", self.state_file, e)
 
     def _write(self, durable: bool = True) -> None:
-        atomic.write_json(
-            self.state_file,
-            {"owner": self.owner, "reported": self.reported, "bad": self.bad,
-             "failed_starts": self.failed_starts, "health": self.health,
-             "versions": {k: list(v) for k, v in self.versions.items()},
-             "used": self.used,
-             "fence": list(self.fence) if self.fence else None},
-            durable=durable)
+        atomic.write_json(self.state_file, self._state(), durable=durable)
+
+    def _state(self) -> dict[str, Any]:
+        return {"owner": self.owner, "reported": self.reported, "bad": self.bad,
+                "failed_starts": self.failed_starts, "health": self.health,
+                "versions": {k: list(v) for k, v in self.versions.items()},
+                "used": self.used, "fence": list(self.fence) if self.fence else None}
+
+    def keep(self, path: Path) -> None:
+        """The catalog as it stands, written to ``path`` (an incident's folder: the
+        checkpoints as of the incident). Raises OSError, as write_json."""
+        atomic.write_json(path, self._state(), durable=False)
 
     def step_of(self, path: str) -> int | None:
         return self.layout.step_of(path)
