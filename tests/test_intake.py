@@ -24,8 +24,8 @@ from trainwatch.watch.intake import Intake
 
 # Forks `ranks` processes; each beats `steps` times as fast as it can (a loss
 # falling as 1 / step: a healthy curve), waits for the file `release` (well
-# within the hang timeout), beats once more and exits 0: the final status.json
-# then counts everything.
+# within the hang timeout), beats once more (10 ms later: a datagram) and exits 0:
+# the final status.json then counts everything.
 _JOB = textwrap.dedent(
     """
     import os, sys, time
@@ -41,6 +41,7 @@ _JOB = textwrap.dedent(
             time.sleep(0.05)  # 1,000s of steps/s: the rings are read every second
     while not os.path.exists(release):
         time.sleep(0.05)
+    time.sleep(0.01)  # past the client's 5 ms between datagrams: this one is sent
     hb.beat(steps + 1, loss=1.0 / (steps + 1))
     """
 )

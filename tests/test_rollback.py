@@ -230,6 +230,7 @@ _SAVES_ON_SIGTERM = textwrap.dedent(
         hb.checkpoint(s, path)
 
     def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # trainwatch may send it twice
         save(step)
         with open(journal, "a") as f:
             f.write(json.dumps({"attempt": attempt, "saved_on_sigterm": step}) + "\\n")
