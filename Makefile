@@ -17,6 +17,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# NVIDIA's ft_launcher, for the goodput drill (benchmarks/goodput.py) and its tests. Without
+	# its dependencies: it asks for the deprecated `pynvml` distribution, whose import hook warns
+	# on every `import pynvml`; nvidia-ml-py (already here) is the module it imports.
+	$(BIN)/python -m pip install -q --no-deps 'nvidia-resiliency-ext==0.4.1'
 	touch $(STAMP)
 
 demo: $(STAMP)

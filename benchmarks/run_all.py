@@ -9,7 +9,8 @@ it comes, then one table: median, p99 (or max where there are fewer than 50 samp
 samples, the issue's goal and whether it is met. The machine (nproc, Python)
 and the load average before and after are printed, with any other process
 that was busy at the start, because the figures are only as quiet as the
-machine. About 5 minutes with the defaults.
+machine. About 12 minutes with the defaults (the goodput drill: 2 minutes for
+each of 3 systems).
 """
 
 from __future__ import annotations
@@ -380,6 +381,19 @@ def snapshot_rows(s: dict[str, Any]) -> list[Row]:
     return rows
 
 
+def goodput_rows(g: dict[str, Any]) -> list[Row]:
+    """goodput.py (the short drill): each system's effective training time ratio."""
+    rows: list[Row] = []
+    for name, runs in g["rows"].items():
+        r = runs[0]
+        goal = "≥ 0.95 of the limit" if name == "trainwatch" else "-"
+        met = ("yes" if r["of_limit"] >= 0.95 else "NO") if name == "trainwatch" else "-"
+        rows.append((f"goodput [{name}, {g['seconds'] / 60:g} min]: ratio, of the limit "
+                     f"{g['limit']:.3f}", f"{r['ratio']:.3f}", f"{r['of_limit']:.3f}",
+                     str(len(runs)), goal, met))
+    return rows
+
+
 def table(rows: list[Row]) -> str:
     head: Row = ("figure", "median", "p99 / max", "n", "goal", "met")
     all_rows = [head, *rows]
@@ -396,9 +410,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument(
         "--only",
-        default="beat,recovery,supervisor,gpu,metrics,flood",
+        default="beat,recovery,supervisor,gpu,metrics,flood,goodput",
         help="comma-separated subset of beat, recovery, supervisor, gpu, metrics, flood, "
-        "snapshot (not in the default: about 3 minutes and 2 GB of disk under build/)",
+        "goodput (the drill, 2 minutes per system), snapshot (not in the default: about 3 "
+        "minutes and 2 GB of disk under build/)",
     )
     p.add_argument("--calls", type=int, default=20000, help="bench_beat: calls per variant")
     p.add_argument("--crashes", type=int, default=10, help="bench_recovery: SIGKILL drills")
@@ -472,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
             print("\n=== bench_flood.py", flush=True)
             if subprocess.call([sys.executable, str(HERE / "bench_flood.py"), "--runs", "3"]):
                 failed.append("bench_flood")
+        if "goodput" in only:
+            g = run_one("goodput.py", ["--minutes", "2", "--trials", "1"], d / "goodput.json")
+            rows += goodput_rows(g) if g else []
+            failed += [] if g else ["goodput"]
     print(f"\n=== summary ({time.monotonic() - t0:.0f} s)")
     print(machine_line())
     print(table(rows))

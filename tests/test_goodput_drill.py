@@ -1,0 +1,83 @@
+"""The goodput drill (benchmarks/goodput.py) counts what a run was worth from what really
+happened: real systems, real rank processes, real faults, the weights compared bit for bit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import goodput  # noqa: E402
+from goodput_drill import accounting, runner, schedule  # noqa: E402
+
+STEP = 0.1
+EVERY = 30
+
+
+def test_every_system_meets_the_same_faults_at_the_same_times() -> None:
+    a = schedule.draw(25, 600, 2, STEP)
+    assert a == schedule.draw(25, 600, 2, STEP)
+    assert a != schedule.draw(26, 600, 2, STEP)
+    assert sorted(f.kind for f in a) == sorted(schedule.KINDS)
+    assert a[-1].kind == "xid"  # a lost GPU goes last
+    ats = [f.at for f in a]
+    assert ats == sorted(ats) and ats[0] > 0 and ats[-1] < 600
+    nan = schedule.nan_window(a)
+    assert nan is not None and nan[1] - nan[0] == 5
+
+
+def test_a_crash_under_trainwatch_is_recovered_and_the_final_weights_are_the_fault_free_ones(
+        tmp_path: Path) -> None:
+    faults = [schedule.Fault("crash", 6.0, 0)]
+    res = runner.run("trainwatch", tmp_path / "tw", 1, faults, 30.0, EVERY, STEP, None)
+    worth = accounting.worth(res)
+    [h] = accounting.handling(res, [])
+    assert h.kind == "crash" and h.recovered_s is not None, (h, res.log.read_text()[-3000:])
+    assert h.steps_lost is not None and 0 <= h.steps_lost <= EVERY + 10
+    assert worth.final_ckpt is not None and worth.final_ckpt > EVERY
+    # Work redone after the restart counts once: fewer effective steps than steps logged.
+    logged = sum(1 for r in res.progress if "step" in r)
+    assert worth.effective == worth.final_step < logged
+    ref = goodput.reference(tmp_path, 1, worth.final_ckpt, None, None, {})
+    assert ref == worth.final_digest
+
+
+def test_a_nan_window_under_torchrun_poisons_the_weights_and_is_never_handled(
+        tmp_path: Path) -> None:
+    res = runner.run("torchrun", tmp_path / "tr", 1, [], 30.0, EVERY, STEP, (20, 22))
+    worth = accounting.worth(res)
+    assert worth.poisoned_at == 20
+    assert worth.effective == 19  # steps 1-19; nothing after the bad batch counts
+    [h] = accounting.handling(res, [])
+    assert h.kind == "nan" and h.detected_s is None and h.recovered_s is None
+    assert worth.final_ckpt is not None and worth.final_ckpt >= EVERY
+    ref = goodput.reference(tmp_path, 1, worth.final_ckpt, (20, 22), (20, 22), {})
+    assert ref != worth.final_digest
+
+
+def test_a_stopped_rank_under_nvidias_launcher_is_found_by_its_heartbeats_and_restarted(
+        tmp_path: Path) -> None:
+    """The drill's NVRx side works: the rank monitor's timeouts, set from the beats seen
+    (nvrx.CALIBRATE_AFTER steps in), find the SIGSTOPped rank and ft_launcher restarts it."""
+    res = runner.run("nvrx", tmp_path / "nv", 1, [schedule.Fault("hang", 8.0, 0)], 40.0,
+                     EVERY, STEP, None)
+    [h] = accounting.handling(res, [])
+    assert h.kind == "hang" and h.detected_s is not None and h.recovered_s is not None, \
+        (h, res.log.read_text()[-3000:])
+    assert len(accounting.attempts(res.progress)) == 2
+
+
+@pytest.mark.parametrize("args", [["--systems", "nope"], ["--minutes", "0"],
+                                  ["--trials", "0"], ["--trainer", "three"]])
+def test_bad_arguments_get_one_clear_line_and_exit_2(args: list[str]) -> None:
+    p = subprocess.run([sys.executable, str(BENCH / "goodput.py"), *args],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.returncode == 2, p
+    assert "Traceback" not in p.stderr, p.stderr
+    # argparse's usage may come first; the last line says what was wrong.
+    assert p.stderr.strip().splitlines()[-1].startswith("goodput"), p.stderr
