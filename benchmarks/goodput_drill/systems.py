@@ -15,6 +15,10 @@ TRAINER = Path(__file__).resolve().parent / "trainer.py"
 BENCH = str(Path(__file__).resolve().parent.parent)
 VENV_BIN = Path(sys.executable).parent
 RESTARTS = 100  # more than any schedule needs: the budget is not what is measured
+# trainwatch's first skip window after a NaN: this many steps past the last bad one seen.
+# Bad data comes in runs (a shard); with 0 (the default) a 6-step run takes three
+# rollbacks, the window doubling each time (docs/jobs.md).
+SKIP_AFTER = 10
 
 
 @dataclass
@@ -48,7 +52,8 @@ the trainer reports beats and checkpoints through trainwatch.client. heartbeat.l
 {factor 5, floor 2s} (the hang timeout learned from the step time), required (the job beats: \
 silence from its start counts), startup_timeout 60s (a rank that never beats); the stall \
 timeout its default (3 x p99 step, 5-30 s); backoff {initial 0.5s, factor 2, max 8s, \
-reset_after 60s} (the default 10 s x 2^n is for crash loops of long jobs); kill_grace 2s; \
+reset_after 60s} (the default 10 s x 2^n is for crash loops of long jobs); rollback \
+{skip_after 10} (a first skip window 10 steps past the last bad one); kill_grace 2s; \
 checkpoints step_{step} + marker `done`, verified before a resume; Xid via the simulated \
 NVML (one GPU more than the ranks, gpus.min = the ranks, poll 1 s: its default); restart \
 budget 100."""
@@ -70,6 +75,7 @@ def trainwatch(d: Path, ranks: int, rest: list[str]) -> Launch:
            "policies": {"default": {
                "max_restarts": RESTARTS,
                "backoff": {"initial": "0.5s", "factor": 2, "max": "8s", "reset_after": "60s"},
+               "rollback": {"skip_after": SKIP_AFTER},
                "kill_grace": "2s"}},
            "jobs": [job]}
     cfg = d / "trainwatch.yaml"

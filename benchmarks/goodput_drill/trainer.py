@@ -122,6 +122,7 @@ def main() -> int:
         dist.init_process_group("gloo")
         model = nn.parallel.DistributedDataParallel(model)
     hb = client.connect(rank=rank)
+    hb.data_order("step", "each batch is drawn from its step number")  # a skip is exact
     nv = None
     if os.environ.get("GOODPUT_SYSTEM") == "nvrx":
         from goodput_drill.nvrx import Heartbeat
