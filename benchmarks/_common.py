@@ -128,6 +128,17 @@ def voluntary_switches(pid: int) -> int:
     return total
 
 
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """A JSON-lines file as written so far: a missing file is empty, a torn line skipped."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
 def write_json(path: str | None, obj: dict[str, Any]) -> None:
     if path:
         Path(path).write_text(json.dumps(obj, indent=1, sort_keys=True, default=str))

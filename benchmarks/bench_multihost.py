@@ -68,6 +68,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     fmt_summary,
+    json_lines,
     machine,
     machine_line,
     remove,
@@ -133,16 +134,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINWATCH_")}
     env.update(extra)
     return env
-
-
-def journal(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -300,7 +291,7 @@ class Job:
 def stepping(j: Job, total: int, min_step: int) -> bool:
     """Every one of ``total`` ranks has journaled step ``min_step`` or later."""
     best: dict[int, int] = {}
-    for e in journal(j.journal):
+    for e in json_lines(j.journal):
         if "step" in e:
             best[e["rank"]] = max(best.get(e["rank"], 0), e["step"])
     return len(best) >= total and min(best.values()) >= min_step
@@ -311,7 +302,7 @@ def back(j: Job, old: set[int], total: int, t0: float) -> dict[str, Any] | None:
     t0) and the step the new ranks resumed from; None before."""
     starts: dict[int, dict[str, Any]] = {}
     first: dict[int, float] = {}
-    for e in journal(j.journal):
+    for e in json_lines(j.journal):
         if e["pid"] in old or e["t"] < t0:
             continue
         if "start" in e:
@@ -333,7 +324,7 @@ def fault(j: Job, sig: signal.Signals, args: argparse.Namespace,
     total = 2 * args.ranks
     wait_for(lambda: stepping(j, total, args.warmup), 120, f"{total} ranks stepping")
     cpu = cpu_percent(daemons, args.steady)  # with none: the same wait
-    before = journal(j.journal)
+    before = json_lines(j.journal)
     old = {e["pid"] for e in before}
     victim = next(e["pid"] for e in before if "start" in e and e["host"] == "hB")
     t0 = time.time()

@@ -159,7 +159,7 @@ def main() -> int:
     finally:
         if keep is None:
             shutil.rmtree(root, ignore_errors=True)
-    table(rows, lim)
+    table(rows, lim, [f.kind for f in faults])
     if a.svg:
         a.svg.write_text(report.svg(f"goodput drill, {a.trainer}, seed {a.seed}: effective "
                                     f"steps over wall time", curves, seconds, marks))
@@ -192,31 +192,43 @@ def judge(res: runner.Result, faults: list[schedule.Fault], seconds: float, root
             "faults": [h.__dict__ for h in hs]}
 
 
-def table(rows: dict[str, list[dict[str, Any]]], lim: float) -> None:
+def occurrences(hs: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any]]:
+    """Each fault a system met, keyed by (kind, n-th of that kind): a system that never
+    reached the NaN window has one event fewer, so positions do not line up."""
+    seen: dict[str, int] = {}
+    out = {}
+    for h in hs:
+        n = seen[h["kind"]] = seen.get(h["kind"], -1) + 1
+        out[(h["kind"], n)] = h
+    return out
+
+
+def table(rows: dict[str, list[dict[str, Any]]], lim: float, kinds: list[str]) -> None:
     med = statistics.median
     print(f"\n{'system':<11} {'ratio':>6} {'/limit':>7}  {'final weights':<14} "
           f"(limit {lim:.3f}; medians over trials)")
     for n, rs in rows.items():
         print(f"{n:<11} {med(r['ratio'] for r in rs):6.3f} {med(r['of_limit'] for r in rs):7.3f}"
               f"  {rs[0]['weights']:<14}")
-    kinds = [h["kind"] for h in next(iter(rows.values()))[0]["faults"]]
     print(f"\n{'fault':<8} " + " ".join(f"{n:>26}" for n in rows))
     print(f"{'':<8} " + " ".join(f"{'detect / recover s, lost':>26}" for _ in rows))
-    for i, k in enumerate(kinds):
+    keys = list(occurrences([{"kind": k} for k in kinds]))
+    for key in keys:
         cells = []
         for rs in rows.values():
-            hs = [r["faults"][i] for r in rs
-                  if i < len(r["faults"]) and r["faults"][i]["kind"] == k]
+            hs = [h for h in (occurrences(r["faults"]).get(key) for r in rs) if h is not None]
             det = [h["detected_s"] for h in hs if h["detected_s"] is not None]
             rec = [h["recovered_s"] for h in hs if h["recovered_s"] is not None]
             lost = [h["steps_lost"] for h in hs if h["steps_lost"] is not None]
-            if not rec:
+            if not hs:
+                cells.append(f"{'never met':>26}")  # e.g. the run never reached the NaN steps
+            elif not rec:
                 cells.append(f"{'never handled':>26}" if not det else
                              f"{report.cell(med(det)):>7} / {'not relaunched':>16}")
             else:
                 cells.append(f"{report.cell(med(det) if det else None):>7} / "
                              f"{report.cell(med(rec)):>6}, {med(lost):>5.0f} st")
-        print(f"{k:<8} " + " ".join(cells))
+        print(f"{key[0]:<8} " + " ".join(cells))
 
 
 if __name__ == "__main__":

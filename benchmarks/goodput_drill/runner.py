@@ -8,7 +8,6 @@ process liveness every 50 ms), the same way for each: none of its internals are 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from _common import json_lines
 
 from goodput_drill import systems
 from goodput_drill.schedule import Fault
@@ -83,14 +85,8 @@ def _exists(pid: int) -> bool:
         return False
 
 
-def progress(path: Path) -> list[dict[str, object]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
+def progress(path: Path) -> list[dict[str, Any]]:
+    return json_lines(path)
 
 
 def _first_step(path: Path) -> float | None:
