@@ -81,3 +81,18 @@ def test_bad_arguments_get_one_clear_line_and_exit_2(args: list[str]) -> None:
     assert "Traceback" not in p.stderr, p.stderr
     # argparse's usage may come first; the last line says what was wrong.
     assert p.stderr.strip().splitlines()[-1].startswith("goodput"), p.stderr
+
+
+def test_the_table_lines_up_each_fault_by_kind_when_a_system_never_met_one(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A system that never reached the NaN steps has one event fewer: its crash is still
+    its crash (seen in the first 10-minute run: torchrun's crash read 'never handled')."""
+    def h(kind: str, det: float | None, rec: float | None, lost: int | None) -> dict[str, object]:
+        return {"kind": kind, "detected_s": det, "recovered_s": rec, "steps_lost": lost}
+    row = {"ratio": 0.5, "of_limit": 0.6, "weights": "= fault-free"}
+    rows = {"a": [{**row, "faults": [h("nan", 0.1, 9.0, 2), h("crash", 0.2, 8.0, 30)]}],
+            "b": [{**row, "faults": [h("crash", 30.1, 36.4, 16)]}]}
+    goodput.table(rows, 0.8, ["nan", "crash"])
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.strip()}
+    assert "never met" in lines["nan"]
+    assert "36.40" in lines["crash"] and "never handled" not in lines["crash"]

@@ -118,7 +118,9 @@ def corrupt_newest(ckpt: Path) -> str:
 
 
 def play(f: Fault, watch: Watch, d: Path, system: str) -> Played:
-    pids = watch.current()
+    # Only live ranks: between attempts the pid files still name the dead ones (a fault
+    # played then hits nothing, and their earlier deaths read as a negative detection).
+    pids = {r: p for r, p in watch.current().items() if _exists(p)}
     pid = pids.get(f.rank)
     p = Played(f.kind, time.time(), f.rank, pids)
     if pid is None:
