@@ -69,7 +69,9 @@ def test_a_stopped_rank_under_nvidias_launcher_is_found_by_its_heartbeats_and_re
     [h] = accounting.handling(res, [])
     assert h.kind == "hang" and h.detected_s is not None and h.recovered_s is not None, \
         (h, res.log.read_text()[-3000:])
-    assert len(accounting.attempts(res.progress)) == 2
+    # At least the first attempt and the one after the hang (NVRx's timeouts, computed from
+    # 0.1 s steps, are ~0.5 s: on a loaded machine it may also kill a slow rank).
+    assert len(accounting.attempts(res.progress)) >= 2
 
 
 @pytest.mark.parametrize("args", [["--systems", "nope"], ["--minutes", "0"],

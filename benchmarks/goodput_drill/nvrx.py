@@ -38,13 +38,14 @@ sends RankMonitorClient.send_heartbeat() every step (heartbeats.rst:41-48) and, 
 {CALIBRATE_AFTER} steps into each attempt (a checkpoint seen, as its example waits for: \
 train_ddp_heartbeats_api.py:202-207), calculate_and_set_hb_timeouts(): the longest interval \
 seen on any rank x safety_factor 5, its default (timeouts_calc.py:74-86,154-171; \
-config.py:65); the rank monitor keeps them for later attempts (rank_monitor_server.py:234-256). \
+config.py:65); the rank monitor keeps them for later attempts, the first-beat one (5 x \
+the time from connecting to the first beat) included (rank_monitor_server.py:234-256). \
 Before that, {INITIAL_TIMEOUT_S} s for the first beat and {TIMEOUT_S} s between beats, the \
 values of its CPU DDP example (basic_ft_example.py:33; the defaults are 60 and 45 min: \
 config.py:60-61). workload_check_interval 5 s (default, config.py:59: a timeout is seen up to \
 5 s late, rank_monitor_server.py:431-440); a timed-out rank gets SIGCONT then SIGKILL \
-(rank_termination_signal default, config.py:66; rank_monitor_server.py:182-188); the others \
-SIGTERM, SIGKILL after 30 s (--workers-stop-timeout default, launcher.py:1552-1559); the \
+(rank_termination_signal default, config.py:66; rank_monitor_server.py:182-188); the other \
+ranks SIGTERM, SIGKILL after 30 s (--workers-stop-timeout default, launcher.py:1552-1559); the \
 launcher polls its workers every 0.1 s (--monitor-interval default, launcher.py:1560-1567). \
 NIC monitor off: it watches InfiniBand link counters, there are none here (default on: \
 launcher.py:1832-1841). A 1-process job gets a 1-rank gloo group for the calculation, which \
