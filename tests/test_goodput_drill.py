@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -31,11 +34,45 @@ def test_every_system_meets_the_same_faults_at_the_same_times() -> None:
     assert nan is not None and nan[1] - nan[0] == 5
 
 
+class Drill(NamedTuple):
+    result: runner.Result
+    worth: accounting.Worth
+    reference: str | None  # the fault-free run's digest at the final checkpoint
+
+
+@pytest.fixture(scope="module")
+def drills(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Drill]:
+    """The three short drills below, run at once, then the fault-free references of the
+    two that need one, at once: each is mostly a paced trainer waiting (about 60 s in all
+    instead of 2 minutes one after the other). Each run is long enough for a slow start
+    on a loaded machine: the faults come after the first step."""
+    d = tmp_path_factory.mktemp("drills")
+    runs: dict[str, Callable[[], runner.Result]] = {
+        # Mid-interval (step ~75 of checkpoints every 30): some steps are redone.
+        "trainwatch": lambda: runner.run("trainwatch", d / "tw", 1,
+                                         [schedule.Fault("crash", 7.5, 0)], 45.0, EVERY,
+                                         STEP, None),
+        "torchrun": lambda: runner.run("torchrun", d / "tr", 1, [], 30.0, EVERY, STEP,
+                                       (20, 22)),
+        "nvrx": lambda: runner.run("nvrx", d / "nv", 1, [schedule.Fault("hang", 8.0, 0)],
+                                   50.0, EVERY, STEP, None),
+    }
+    skips = {"trainwatch": None, "torchrun": (20, 22)}
+    with ThreadPoolExecutor(len(runs)) as ex:
+        futures = {name: ex.submit(run) for name, run in runs.items()}
+        results = {name: f.result() for name, f in futures.items()}
+        worths = {name: accounting.worth(res) for name, res in results.items()}
+        refs = {name: ex.submit(goodput.reference, d / name, 1, worths[name].final_ckpt, skip,
+                                skip, {})
+                for name, skip in skips.items() if worths[name].final_ckpt is not None}
+        return {name: Drill(results[name], worths[name],
+                            refs[name].result() if name in refs else None)
+                for name in runs}
+
+
 def test_a_crash_under_trainwatch_is_recovered_and_the_final_weights_are_the_fault_free_ones(
-        tmp_path: Path) -> None:
-    faults = [schedule.Fault("crash", 6.0, 0)]
-    res = runner.run("trainwatch", tmp_path / "tw", 1, faults, 30.0, EVERY, STEP, None)
-    worth = accounting.worth(res)
+        drills: dict[str, Drill]) -> None:
+    res, worth, ref = drills["trainwatch"]
     [h] = accounting.handling(res, [])
     assert h.kind == "crash" and h.recovered_s is not None, (h, res.log.read_text()[-3000:])
     assert h.steps_lost is not None and 0 <= h.steps_lost <= EVERY + 10
@@ -43,29 +80,25 @@ def test_a_crash_under_trainwatch_is_recovered_and_the_final_weights_are_the_fau
     # Work redone after the restart counts once: fewer effective steps than steps logged.
     logged = sum(1 for r in res.progress if "step" in r)
     assert worth.effective == worth.final_step < logged
-    ref = goodput.reference(tmp_path, 1, worth.final_ckpt, None, None, {})
     assert ref == worth.final_digest
 
 
 def test_a_nan_window_under_torchrun_poisons_the_weights_and_is_never_handled(
-        tmp_path: Path) -> None:
-    res = runner.run("torchrun", tmp_path / "tr", 1, [], 30.0, EVERY, STEP, (20, 22))
-    worth = accounting.worth(res)
+        drills: dict[str, Drill]) -> None:
+    res, worth, ref = drills["torchrun"]
     assert worth.poisoned_at == 20
     assert worth.effective == 19  # steps 1-19; nothing after the bad batch counts
     [h] = accounting.handling(res, [])
     assert h.kind == "nan" and h.detected_s is None and h.recovered_s is None
     assert worth.final_ckpt is not None and worth.final_ckpt >= EVERY
-    ref = goodput.reference(tmp_path, 1, worth.final_ckpt, (20, 22), (20, 22), {})
-    assert ref != worth.final_digest
+    assert ref is not None and ref != worth.final_digest
 
 
 def test_a_stopped_rank_under_nvidias_launcher_is_found_by_its_heartbeats_and_restarted(
-        tmp_path: Path) -> None:
+        drills: dict[str, Drill]) -> None:
     """The drill's NVRx side works: the rank monitor's timeouts, set from the beats seen
     (nvrx.CALIBRATE_AFTER steps in), find the SIGSTOPped rank and ft_launcher restarts it."""
-    res = runner.run("nvrx", tmp_path / "nv", 1, [schedule.Fault("hang", 8.0, 0)], 40.0,
-                     EVERY, STEP, None)
+    res = drills["nvrx"].result
     [h] = accounting.handling(res, [])
     assert h.kind == "hang" and h.detected_s is not None and h.recovered_s is not None, \
         (h, res.log.read_text()[-3000:])
