@@ -107,21 +107,18 @@ def _crash_then_xid() -> Path:
 
 
 def _stall() -> Path:
-    """A torchrun job (2 ranks, gloo) whose rank 1 is stopped: nccl_stall, rank 1
-    named, both ranks' stacks kept (as test_stall.py)."""
+    """A torchrun job (2 ranks, gloo) whose rank 1 stops itself after step 35:
+    nccl_stall, rank 1 named, both ranks' stacks kept. It stops itself, not by
+    `faultinject nccl-stall` (test_stall.py), so that its stack is never the one the
+    other rank blocks in: a stop from outside can land inside the all-reduce."""
     from test_torchrun import _ddp
 
     with workspace() as ws:
         args = ["--beat", "--steps", "150", "--interval", "0.05", "--ckpt-every", "20",
-                "--print-every", "5"]
+                "--print-every", "5", "--stop-rank1-at", "35"]
         p = ws.run(ws.config({"command": _ddp(ws, *args), "gpus": {"devices": [0, 1]}},
                              gpu={"backend": "sim", "count": 2, "kmsg": None}))
-        wait_for(lambda: len(ws.status().get("ranks", {})) == 2
-                 and (ws.status().get("step") or 0) >= 30, timeout=120,
-                 what="both ranks beating")
-        r = ws.faultinject("nccl-stall", "--rank", "1")
-        assert r.returncode == 0, r.stderr
-        wait_for(lambda: ws.incidents(), timeout=90, what="the stall incident")
+        wait_for(lambda: ws.incidents(), timeout=180, what="the stall incident")
         code, out = finish(p, timeout=240)
         assert code == 0, out[-3000:]
         assert ws.incidents()[0]["kind"] == "nccl_stall", ws.incidents()

@@ -238,16 +238,88 @@ def test_a_beat_sent_both_as_a_datagram_and_in_the_ring_is_handed_on_once(bare: 
 def test_a_ring_seen_before_its_writers_first_datagram_is_read_once_that_comes(
         bare: _Bare) -> None:
     """The loop's ring poll finds a rank's ring before the datagram that announces
-    it (the writer has beaten 20 times and exited): not provable yet, the ring is
-    looked at again when that pid's datagram comes, and all 20 steps count."""
+    it (the writer has beaten 20 times, its datagrams not come yet): not provable
+    yet, the ring is looked at again when that pid's datagram comes, and all 20
+    steps count."""
+    # Its beats into the ring, their datagrams lost (no socket at that path); then,
+    # once told, one datagram from the same pid to the real socket.
     code = ("import sys\nfrom trainwatch import client\n"
-            "hb = client.Heartbeat(sys.argv[1], 0, sys.argv[2])\n"
-            "for s in range(1, 21):\n    hb.beat(s, loss=1.0 / s)\n")
-    subprocess.run([sys.executable, "-c", code, str(bare.sock), str(bare.rings)],
-                   check=True, timeout=60)
-    intake = bare.intake
-    intake.tick(time.monotonic() + 2)  # the ring poll first: its writer is unknown
-    assert intake.readers == {} and intake.rings_refused == 1
-    intake.drain()  # then its datagram: the pid beat, the ring is looked at again
-    assert max(b.step for b in bare.beats) == 20, bare.beats
-    assert (len(intake.readers), intake.rings_refused) == (1, 0)
+            "hb = client.Heartbeat(sys.argv[1] + '.absent', 0, sys.argv[2])\n"
+            "for s in range(1, 21):\n    hb.beat(s, loss=1.0 / s)\n"
+            "print('20', flush=True)\nsys.stdin.readline()\n"
+            "client.Heartbeat(sys.argv[1], 0).beat(20, loss=1.0 / 20)\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(bare.sock), str(bare.rings)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        assert p.stdout.readline() == "20\n"
+        intake = bare.intake
+        intake.tick(time.monotonic() + 2)  # the ring poll first: its writer is unknown
+        assert intake.readers == {} and intake.rings_refused == 1
+        p.stdin.write("go\n")
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+        intake.drain()  # then its datagram: the pid beat, the ring is looked at again
+        assert sorted({b.step for b in bare.beats}) == list(range(1, 21)), bare.beats
+        assert (len(intake.readers), intake.rings_refused) == (1, 0)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_what_an_ended_attempt_sent_is_read_as_its_own_not_the_next_attempts(
+        bare: _Bare) -> None:
+    """An attempt killed with a NaN beat still queued on the socket (a loaded loop had
+    not read it yet): ending the attempt reads it, so the next attempt never gets a
+    killed process's beat (root's datagrams are believed whoever sends them)."""
+    code = ("import math, sys\nfrom trainwatch import client\n"
+            "hb = client.Heartbeat(sys.argv[1], 0)\nhb.beat(21, loss=math.nan)\n")
+    subprocess.run([sys.executable, "-c", code, str(bare.sock)], check=True, timeout=60)
+    bare.intake.end_attempt()  # its processes are gone
+    ended = [(b.step, b.loss) for b in bare.beats]
+    bare.intake.new_attempt(str(bare.rings))
+    bare.intake.drain()
+    assert len(ended) == 1 and ended[0][0] == 21, ended
+    assert len(bare.beats) == 1, "a beat of the ended attempt reached the next one"
+
+
+def test_a_checkpoint_reported_before_a_ring_step_is_known_before_that_step(
+        tmp_path: Path) -> None:
+    """A rank reports checkpoint 5, then beats a NaN at step 6 into its ring (and as a
+    datagram): the loop's ring poll hands on the report before the NaN, so a rollback
+    decided on that NaN knows checkpoint 5 (it resumed from an older one under load)."""
+    order: list[str] = []
+    believed: set[int] = set()
+
+    def on_beats(beats: Sequence[Beat]) -> None:
+        believed.update(b.pid for b in beats)
+        order.extend(f"beat {b.step}" for b in beats)
+
+    sel = selectors.DefaultSelector()
+    rings = tmp_path / "rings"
+    rings.mkdir()
+    intake = Intake("job", str(tmp_path / "job.sock"), sel,
+                    lambda pid, uid: uid == 0 or pid in believed, time.monotonic, None,
+                    on_beats, lambda r: order.append(f"report {r.step}"))
+    code = ("import math, sys\nfrom trainwatch import client\n"
+            "hb = client.Heartbeat(sys.argv[1], 0, sys.argv[2])\nhb.beat(1, loss=1.0)\n"
+            "print('1', flush=True)\nsys.stdin.readline()\n"
+            "open(sys.argv[3], 'w').close()\nhb.checkpoint(5, sys.argv[3])\n"
+            "hb.beat(6, loss=math.nan)\n")
+    try:
+        intake.new_attempt(str(rings))
+        p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "job.sock"),
+                              str(rings), str(tmp_path / "step_5")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdout is not None and p.stdin is not None
+        assert p.stdout.readline() == "1\n"
+        intake.drain()  # its first beat: the ring is open from here
+        assert order == ["beat 1"] and len(intake.readers) == 1, order
+        p.stdin.write("go\n")
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+        intake.tick(time.monotonic() + 2 * 60)  # the ring poll, before any socket poll
+        assert order == ["beat 1", "report 5", "beat 6"], order
+    finally:
+        intake.close()
+        sel.close()

@@ -110,6 +110,20 @@ def test_stable_attempt_resets_backoff() -> None:
     assert len(history.restarts) == 5  # the reset touches backoff, not the budget
 
 
+def test_an_attempt_that_saved_a_checkpoint_past_its_start_resets_backoff() -> None:
+    """Progress kept (a good checkpoint past the one it resumed from) is stability
+    enough, however short the attempt: the backoff starts over, the budget does not."""
+    policy, history, rng = _policy(max_restarts=10), RestartHistory(), _rng()
+    for i in range(3):
+        decide(policy, CRASH, history, now=float(i), attempt_ran_for=1.0, rng=rng)
+    again = decide(policy, CRASH, history, now=4.0, attempt_ran_for=30.0, rng=rng)
+    assert again.delay == 60.0
+    saved = decide(policy, CRASH, history, now=5.0, attempt_ran_for=30.0, rng=rng,
+                   progressed=True)
+    assert saved.delay == 10.0 and history.consecutive == 1
+    assert len(history.restarts) == 5
+
+
 @pytest.mark.parametrize(
     ("kind", "action"),
     [

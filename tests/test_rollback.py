@@ -171,12 +171,14 @@ def test_a_six_step_bad_window_costs_one_restart_of_the_budget(ws: Workspace) ->
     got = wait_for(lambda: (m := _scrape(port)).get(rollbacks) == 3 and m, timeout=90,
                    what="three exact rollbacks counted")
     release.touch()
-    assert got[("trainwatch_job_rollback_skipped_steps_total", frozenset({("job", "job")}))] == 13
-    assert all(got[("trainwatch_job_rollbacks_total", frozenset({("job", "job"), ("skip", k)}))]
-               == 0 for k in ("approximate", "unverified"))
     code, out = finish(proc, timeout=120)
     incs = ws.incidents()
-    summary = [(i["kind"], i["action"], i["onset_step"], i["decision"]) for i in incs]
+    summary = [(i["kind"], i["action"], i["onset_step"], i["decision"], i["evidence"])
+               for i in incs]
+    assert got[("trainwatch_job_rollback_skipped_steps_total",
+                frozenset({("job", "job")}))] == 13, (summary, out[-3000:])
+    assert all(got[("trainwatch_job_rollbacks_total", frozenset({("job", "job"), ("skip", k)}))]
+               == 0 for k in ("approximate", "unverified"))
     assert code == 0, (summary, out[-3000:])
     rbs = [json.loads(i["evidence"])["rollback"] for i in incs]
     assert [(i["kind"], i["action"], i["onset_step"]) for i in incs] == [

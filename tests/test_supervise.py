@@ -477,3 +477,43 @@ def test_orphans_that_leave_the_session_are_reaped(ws: Workspace) -> None:
         return found
 
     wait_for(lambda: not zombies(), timeout=15, what="the zombie to be reaped")
+
+
+_SAVES_THEN_CRASHES = """
+import sys, time
+from trainwatch import client
+ckpt = sys.argv[1]
+resume = client.resume_from()
+start = int(open(resume).read()) if resume else 0
+hb = client.connect()
+for step in range(start + 1, start + 7):
+    hb.beat(step)
+    time.sleep(0.02)
+    if step % 5 == 0:
+        path = f"{ckpt}/step_{step}"
+        with open(path + ".tmp", "w") as f:
+            f.write(str(step))
+        import os; os.replace(path + ".tmp", path)
+        hb.checkpoint(step, path)
+    if step >= 24:
+        sys.exit(0)
+sys.exit(3)
+"""
+
+
+def test_an_attempt_that_saved_progress_starts_the_backoff_over(ws: Workspace) -> None:
+    """Each attempt saves a checkpoint past the one it resumed from, then crashes:
+    progress kept, so every relaunch waits the initial backoff, not a doubling one
+    (the restart budget is still spent, one crash each)."""
+    script = ws.root / "saves.py"
+    script.write_text(_SAVES_THEN_CRASHES)
+    cfg = ws.config(
+        {"command": [sys.executable, str(script), str(ws.ckpt)], "resume_args": []},
+        {"max_restarts": 6, "backoff": {"initial": "0.1s", "factor": 4, "jitter": 0}},
+    )
+    rc, out = finish(ws.run(cfg))
+    assert rc == 0, out
+    incs = ws.incidents()
+    assert [i["kind"] for i in incs] == ["crash"] * 4, incs
+    assert [i["backoff_s"] for i in incs] == [0.1] * 4, incs
+    assert [i["resumed_step"] for i in incs] == [5, 10, 15, 20], incs

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -24,6 +25,8 @@ def main() -> int:
     p.add_argument("--ckpt-dir", required=True)
     p.add_argument("--beat", action="store_true", help="beat through the trainwatch client")
     p.add_argument("--print-every", type=int, default=0, help="print progress every N steps")
+    p.add_argument("--stop-rank1-at", type=int, default=0,
+                   help="rank 1 stops itself (SIGSTOP) after this step, first attempt only")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -48,6 +51,10 @@ def main() -> int:
         hb.beat(step, loss=loss.item())
         if a.print_every and step % a.print_every == 0:
             print(f"[rank{rank}]: step {step} loss {loss.item():.4f}", flush=True)
+        if rank == 1 and step == a.stop_rank1_at and resume is None:
+            # Stopped here, outside any collective, so its stack is not the others'
+            # (a SIGSTOP from outside may land in the all-reduce they block in).
+            os.kill(os.getpid(), signal.SIGSTOP)
         if step % a.ckpt_every == 0 and rank == 0:
             path = Path(a.ckpt_dir) / f"step_{step}.pt"
             tmp = path.with_suffix(".tmp")

@@ -9,9 +9,9 @@ This decides within seconds, from what trainwatch sees of every rank:
   detectors/hang.py); it fires when no rank has advanced its step for the
   stall timeout: ``factor`` x the p99 step time, within ``floor`` and
   ``ceiling`` (the ceiling until the step time is learned);
-- which rank: the one behind the others' step; else the one whose process is
-  stopped ('T') or in uninterruptible sleep ('D'); else the one idle while the
-  others spin; else none (the stacks may still tell, evidence/capture.py).
+- which rank: the one whose process is stopped ('T'); else the one behind the
+  others' step; else the one in uninterruptible sleep ('D'); else the one idle
+  while the others spin; else none (the stacks may still tell, evidence/capture.py).
   ``decided_by`` says which evidence named it;
 - every rank busy on the CPU and none the odd one out is a long synchronous
   phase (an evaluation, a checkpoint save) until the ceiling: only then a stall;
@@ -102,20 +102,23 @@ def name_rank(steps: Mapping[int, int], procs: Mapping[int, Proc],
               idle_cpu: float) -> tuple[int | None, str]:
     """The rank that stalled the others, and the evidence that named it
     ("step", "process_state", "cpu"), or (None, "none")."""
+    ranks = sorted(steps) if steps else sorted(procs)
+    halted = [r for r in ranks if (p := procs.get(r)) is not None and p.state in STOPPED]
+    # A stopped process is stuck for certain, whatever its last beat said: a rank
+    # stopped between its all-reduce and its beat reads one step behind, and the
+    # others, blocked in the next collective, may still be descheduled before theirs.
+    stopped = [r for r in halted if procs[r].state in ("T", "t")]
+    if len(stopped) == 1:
+        return stopped[0], "process_state"
     if steps:
         low = min(steps.values())
         behind = [r for r, st in steps.items() if st == low]
         if len(behind) == 1 and len(steps) > 1:
             return behind[0], "step"
-    ranks = sorted(steps) if steps else sorted(procs)
-    halted = [r for r in ranks if (p := procs.get(r)) is not None and p.state in STOPPED]
+    # One in D may only be waiting on a busy disk (rank 0 saving a checkpoint), so
+    # it is named after the step, and only when it is the one halted.
     if len(halted) == 1:
         return halted[0], "process_state"
-    # A stopped process is stuck for certain; one in D may only be waiting on a busy
-    # disk (rank 0 saving a checkpoint): the stopped one is named.
-    stopped = [r for r in halted if procs[r].state in ("T", "t")]
-    if len(stopped) == 1:
-        return stopped[0], "process_state"
     idle = [r for r in ranks if _idle(procs.get(r), idle_cpu)]
     busy = [r for r in ranks if _busy(procs.get(r), idle_cpu)]
     # Idle while the others spin: there must be others (a rank whose process is not

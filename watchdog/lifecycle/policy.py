@@ -2,7 +2,9 @@
 
 A restart budget (at most ``max_restarts`` within a sliding ``window``),
 exponential backoff with a cap and jitter, reset once an attempt has run for
-``backoff.reset_after``; ``fatal`` once the budget is spent. It decides; only
+``backoff.reset_after`` or has saved a checkpoint past the one it resumed from
+(progress kept is proof enough that the job is not crash-looping); ``fatal``
+once the budget is spent. It decides; only
 the supervisor acts.
 """
 
@@ -68,19 +70,21 @@ def decide(
     rng: random.Random,
     action: Action | None = None,
     charged: bool = True,
+    progressed: bool = False,
 ) -> Decision:
     """Pure apart from updating ``history`` when it grants a restart. ``action``:
     when the caller already knows it (an Xid's class), else the policy's for the kind.
     ``charged`` False: a rollback that widens the skip window of an anomaly
     already charged; it spends none of the budget (the policy's
-    ``rollback.max_widenings`` bounds it) but backs off as usual."""
+    ``rollback.max_widenings`` bounds it) but backs off as usual. ``progressed``:
+    the attempt saved a good checkpoint past the one it resumed from."""
     if action is None:
         action = policy.action_for(fault.kind)
     if action not in _RELAUNCHING:
         return Decision(
             action, reason=f"policy {policy.name}: {fault.kind.value} -> {action.value}"
         )
-    if attempt_ran_for >= policy.backoff.reset_after:
+    if progressed or attempt_ran_for >= policy.backoff.reset_after:
         history.consecutive = 0  # the attempt was stable: start the backoff over
     used = history.in_window(now, policy.window)
     if not charged:

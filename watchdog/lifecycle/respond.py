@@ -88,6 +88,17 @@ def keep_catalog(r: Runner, incident: int) -> None:
         log.warning("job %s: incident %d: checkpoints not kept: %s", r.job.name, incident, e)
 
 
+def progressed(r: Runner) -> bool:
+    """Has the attempt saved a good checkpoint past the one it resumed from? (A
+    rollback quarantines every later one, so a good one past it is this attempt's.)"""
+    a = r.attempt
+    if a is None:
+        return False
+    newest = r.catalog.last_good(fresh=False)
+    return newest is not None and newest.step > (a.resumed_step if a.resumed_step is not None
+                                                 else -1)
+
+
 def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
     a = r.attempt
     assert a is not None
@@ -116,7 +127,7 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
             log.error("job %s: %s: stopped", r.job.name, plan.gave_up)
         else:
             d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, action,
-                       charged=plan is None or plan.widening == 0)
+                       charged=plan is None or plan.widening == 0, progressed=progressed(r))
             reason, delay, fatal = d.reason, d.delay, d.fatal
     r.events.faults.labels(r.job.name, fault.kind.value).inc()
     latency = max(0.0, now - fault.onset) if fault.onset_known else None
@@ -180,7 +191,10 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
     if requeue.act(r, fault, incident, reason, capture,  # a Slurm job: through Slurm
                    drain=action is Action.RESTART_EXCLUDE_GPU):
         return
-    if group.act(r, fault, incident, reason, charged, capture):  # a job across hosts
+    # A job across hosts (or one host's torchrun under nodes:): its agent restarts
+    # the workers, unless they must leave a GPU: its environment is the agent's.
+    if group.act(r, fault, incident, reason, charged, capture,
+                 keep_agent=action is not Action.RESTART_EXCLUDE_GPU):
         return
     r.pending_incident = incident
     stop(JobState.BACKOFF, f"{fault.kind.value}: {reason}", delay or 0.0)

@@ -191,12 +191,13 @@ def held(r: Runner, fault: Fault, now: float) -> bool:
 
 
 def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: bool,
-        capture: Capture | None = None) -> bool:
+        capture: Capture | None = None, keep_agent: bool = True) -> bool:
     """This host acts on ``fault`` (a restart or rollback, decided; ``charged``:
     it spent one of the budget): the group restarts. True when done here (the
     agent lives: its workers end and it restarts them); False when the agent is
-    gone and is relaunched as usual. A restart another host made first is
-    charged here as that host charged it: once, or not at all (a widening)."""
+    gone, or must go (``keep_agent`` False: its workers' GPUs change, and only a
+    new agent gets new ones), and is relaunched as usual. A restart another host
+    made first is charged here as that host charged it: once, or not at all."""
     g, a = r.group, r.attempt
     if g is None or a is None:
         return False
@@ -227,7 +228,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
         log.warning("job %s: group restart %d (%s, began on %s): every rank resumes from %s",
                     r.job.name, rec.gen, "decided here" if won else f"decided by {rec.host}",
                     rec.began, _where(rec))
-    if not _leader_alive(a):
+    if not keep_agent or not _leader_alive(a):
         return False
     rounds.evidence_then_round(r, g, a, capture, rec, incident,
                                f"group restart {g.gen}: {reason}", onset, peers=True)
@@ -294,6 +295,7 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
                                           "decided_by": rec.host, "followed": True,
                                           "claims": rec.claimed(), **leave.evidence(r, rec)},
                   onset_step=r.last_step, onset_known=False)
+    from trainwatch.lifecycle import respond  # respond calls act(): one circle, at run time
     from trainwatch.lifecycle.policy import decide
 
     if r.observing:
@@ -301,7 +303,7 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
         reason = f"{why}: a peer's group restart, recorded only"
     else:
         d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, Action.RESTART,
-                   charged=rec.charged)
+                   charged=rec.charged, progressed=respond.progressed(r))
         reason, fatal = d.reason, d.fatal
     reason += leave.note(r, rec)  # a host left the group: does it go on without it?
     r.events.faults.labels(r.job.name, kind.value).inc()

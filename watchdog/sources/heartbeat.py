@@ -37,7 +37,7 @@ _TRUNC = int(socket.MSG_TRUNC)  # a plain int: the flag test runs per datagram
 _CREDENTIALS = (int(socket.SOL_SOCKET), int(socket.SCM_CREDENTIALS))
 # Drain at most this many datagrams per wake-up so one chatty job cannot
 # starve the rest of the loop.
-_BATCH = 256
+BATCH = 256
 # A (pid, uid) is judged again after this long, so that a pid reused by
 # another process is not believed (or doubted) for longer than this.
 VERDICT_TTL = 1.0
@@ -232,7 +232,7 @@ class HeartbeatSocket:
         verdicts = self._verdicts
         now = time.monotonic()
         at: float | None = None
-        for _ in range(_BATCH):
+        for _ in range(BATCH):
             try:
                 data, anc, flags, _addr = recvmsg(MAX_DATAGRAM, _ANC_SIZE)
             except (BlockingIOError, InterruptedError):

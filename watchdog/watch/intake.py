@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence, Set
 
 from trainwatch.sources import ring
 from trainwatch.sources.beatpoll import BeatPoller
-from trainwatch.sources.heartbeat import HeartbeatSocket
+from trainwatch.sources.heartbeat import BATCH, HeartbeatSocket
 from trainwatch.types import Beat, CheckpointReport, DataOrder
 
 log = logging.getLogger("trainwatch")
@@ -44,6 +44,7 @@ RING_POLL = 1.0
 # read first at the next turn (what their writers overwrite meanwhile is lapped).
 RING_BUDGET = 65_536
 _NO_UID = -1  # for believe(): a ring's writer has no uid the kernel vouches for
+_STALE_DRAINS = 8  # socket reads of BATCH datagrams at most when an attempt ends
 _EARLY_MAX = 64  # steps remembered per (pid, rank) that came as datagrams before its ring
 
 
@@ -237,7 +238,10 @@ class Intake:
         if self.ring_dir is not None and now >= self._ring_poll_at:
             # On a grid shared by every job: one wake-up reads them all.
             self._ring_poll_at = (math.floor(now / RING_POLL) + 1) * RING_POLL
-            self._read_rings(rescan=False)
+            # The socket first: a checkpoint report sent before a step the rings
+            # hold must be known before that step is judged (a rollback decided on a
+            # ring's NaN resumed from 13, the reports of 14-18 still queued).
+            self.drain()
 
     def next_wake(self) -> float | None:
         poll = self.poller.next_wake()
@@ -253,7 +257,13 @@ class Intake:
         self.ring_dir, self._dir_seen, self._ended = ring_dir, None, ended
 
     def end_attempt(self) -> None:
-        """Its processes are gone: nothing more to read."""
+        """Its processes are gone: what they sent is all queued now, and is read
+        now, as theirs. Left queued, it would be read in the next attempt, and
+        root's datagrams are believed whoever sends them (a loaded run read a
+        killed attempt's NaN as the next one's and widened its skip window)."""
+        for _ in range(_STALE_DRAINS):  # bounded: a live flood from elsewhere cannot hold the loop
+            if self._drain_socket() < BATCH:
+                break
         self._close_rings()
         self.ring_dir = None
 

@@ -1,0 +1,62 @@
+"""A one-host torchrun job under ``nodes: 1`` (its agent restarts its workers in
+place, through torchrun's rendezvous) whose GPU throws Xid 79: the workers
+must leave that GPU, and only a new agent gets a new CUDA_VISIBLE_DEVICES, so
+the whole tree is relaunched without it, not the workers under the old agent."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from conftest import Workspace, finish, free_port, wait_for
+from test_gpu_e2e import XID79_GPU1
+from test_torchrun import DDP
+
+
+def _visible(pid: int) -> str | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for kv in env:
+        if kv.startswith(b"CUDA_VISIBLE_DEVICES="):
+            return kv.split(b"=", 1)[1].decode()
+    return None
+
+
+def _workers(ws: Workspace) -> dict[int, str | None]:
+    """Each beating rank's pid -> its CUDA_VISIBLE_DEVICES."""
+    ranks = ws.status().get("ranks", {})
+    return {int(pid): _visible(int(pid)) for pid in ranks.values()}
+
+
+def test_an_xid_in_a_group_job_relaunches_its_agent_without_the_gpu(ws: Workspace) -> None:
+    """Xid 79 on GPU 1 of GPUs 0-2 (2 needed): a new agent, its workers on 0,2."""
+    kern = ws.root / "kern.log"
+    kern.write_text("")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+               "--nproc-per-node=2", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=tw-exclude",
+               "--monitor-interval=0.1", str(DDP), "--ckpt-dir", str(ws.ckpt), "--beat",
+               "--steps", "200", "--interval", "0.05", "--ckpt-every", "20"]
+    cfg = ws.config({"command": command, "nodes": 1, "gpus": {"devices": [0, 1, 2], "min": 2},
+                     "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}},
+                    {"max_restarts": 3},
+                    gpu={"backend": "sim", "count": 3, "kmsg": str(kern),
+                         "poll_interval": "0.2s"})
+    p = ws.run(cfg)
+    before = wait_for(lambda: len(w := _workers(ws)) == 2 and (ws.status().get("step") or 0)
+                      >= 30 and w, timeout=120, what="both ranks beating")
+    assert set(before.values()) == {"0,1,2"}, before
+    with open(kern, "a") as f:
+        f.write(XID79_GPU1)
+    wait_for(lambda: ws.incidents(), timeout=60, what="the Xid incident")
+    after = wait_for(lambda: len(w := _workers(ws)) == 2 and not set(w) & set(before) and w,
+                     timeout=120, what="the relaunched ranks beating")
+    assert set(after.values()) == {"0,2"}, after
+    code, out = finish(p, timeout=240)
+    assert code == 0, out[-3000:]
+    [inc] = ws.incidents()
+    assert (inc["kind"], inc["action"], inc["gpu"]) == ("gpu_xid", "restart_exclude_gpu", 1), inc
+    starts = [e for e in ws.transitions()]
+    assert starts.count("starting") == 2, starts
