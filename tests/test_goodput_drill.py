@@ -131,3 +131,25 @@ def test_the_table_lines_up_each_fault_by_kind_when_a_system_never_met_one(
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.strip()}
     assert "never met" in lines["nan"]
     assert "36.40" in lines["crash"] and "never handled" not in lines["crash"]
+
+
+def test_bad_data_counts_as_recovered_only_by_the_attempt_that_trains_clear_of_it(
+        tmp_path: Path) -> None:
+    """A rollback whose first window is too narrow meets the NaN again: the recovery is
+    the relaunch after the wider window, not the first one (which met it again)."""
+    def start(pid: int, t: float, frm: int) -> dict[str, object]:
+        return {"t": t, "pid": pid, "start": True, "from": frm, "skip": None}
+
+    def step(pid: int, t: float, s: int, loss: float) -> dict[str, object]:
+        return {"t": t, "pid": pid, "step": s, "loss": loss, "skip": False}
+
+    nan = float("nan")
+    progress = [start(1, 0.0, 0), step(1, 1.0, 1, 1.0), step(1, 2.0, 2, nan),
+                start(2, 5.0, 1), step(2, 6.0, 2, 1.0), step(2, 7.0, 3, nan),  # met again
+                start(3, 10.0, 1), step(3, 11.0, 2, 1.0), step(3, 12.0, 5, 1.0)]
+    res = runner.Result("trainwatch", 0.0, 20.0, 1.0, [], {1: 3.0, 2: 8.0}, progress,
+                        tmp_path / "log")
+    [h] = accounting.handling(res, [])
+    assert h.kind == "nan" and h.at == 2.0
+    assert h.detected_s == 1.0
+    assert h.recovered_s == 11.0 - 2.0, h

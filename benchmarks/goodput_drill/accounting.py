@@ -114,6 +114,11 @@ class Handling:
     note: str = ""
 
 
+def _clean(a: Attempt) -> bool:
+    """Did the attempt train without meeting a non-finite loss?"""
+    return all(r.get("skip") or math.isfinite(float(r["loss"])) for r in a.steps.values())
+
+
 def handling(res: Result, next_at: list[float]) -> list[Handling]:
     """Per fault played (and the NaN window, when met): ``next_at`` holds the time each
     was followed by another fault, or the end: acting later does not count as acting."""
@@ -135,7 +140,11 @@ def handling(res: Result, next_at: list[float]) -> list[Handling]:
         deaths = [res.deaths.get(p) for p in pids]
         detected = (max(deaths) - at  # type: ignore[type-var]
                     if deaths and all(t is not None and t <= limit for t in deaths) else None)
-        nxt = next((a for a in runs if a.started > at and a.first_step_at is not None), None)
+        # Recovered: the next attempt's first step; from bad data, the first attempt
+        # that trains clear of it (a rollback whose window was too narrow meets it
+        # again, and only a wider one's relaunch is the recovery).
+        nxt = next((a for a in runs if a.started > at and a.first_step_at is not None
+                    and (kind != "nan" or _clean(a))), None)
         recovered = None
         lost = None
         if nxt is not None and nxt.first_step_at is not None and nxt.first_step_at <= limit:

@@ -56,7 +56,8 @@ reset_after 60s} (the default 10 s x 2^n is for crash loops of long jobs); rollb
 {skip_after 10} (a first skip window 10 steps past the last bad one); kill_grace 2s; \
 checkpoints step_{step} + marker `done`, verified before a resume; Xid via the simulated \
 NVML (one GPU more than the ranks, gpus.min = the ranks, poll 1 s: its default); restart \
-budget 100."""
+budget 100. With 2 ranks: nodes 1 (torchrun's agent restarts the workers in place, \
+through its rendezvous; a GPU to leave relaunches the agent)."""
 
 
 def trainwatch(d: Path, ranks: int, rest: list[str]) -> Launch:
@@ -67,6 +68,9 @@ def trainwatch(d: Path, ranks: int, rest: list[str]) -> Launch:
            "heartbeat": {"learned": {"factor": 5, "floor": "2s"}, "required": True,
                          "startup_timeout": "60s"},
            "gpus": {"devices": list(range(ranks + 1)), "min": ranks},
+           # torchrun's agent restarts its workers in place (its rendezvous), trainwatch
+           # deciding when and from where: a rank's crash or hang costs no new agent.
+           **({"nodes": 1} if ranks > 1 else {}),
            "env": {k: v for k, v in base_env("trainwatch").items()
                    if k in ("PYTHONPATH", "GOODPUT_SYSTEM", "OMP_NUM_THREADS", "PATH")}}
     doc = {"state_dir": str(d / "tw-state"), "run_dir": str(d / "tw-run"),

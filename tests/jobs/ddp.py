@@ -27,6 +27,8 @@ def main() -> int:
     p.add_argument("--print-every", type=int, default=0, help="print progress every N steps")
     p.add_argument("--stop-rank1-at", type=int, default=0,
                    help="rank 1 stops itself (SIGSTOP) after this step, first attempt only")
+    p.add_argument("--sleep-rank1-at", type=int, default=0,
+                   help="rank 1 sleeps an hour after this step (not stopped), first attempt only")
     a = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -55,6 +57,8 @@ def main() -> int:
             # Stopped here, outside any collective, so its stack is not the others'
             # (a SIGSTOP from outside may land in the all-reduce they block in).
             os.kill(os.getpid(), signal.SIGSTOP)
+        if rank == 1 and step == a.sleep_rank1_at and resume is None:
+            time.sleep(3600)  # stuck in its own code, as a rank on a dead filesystem is
         if step % a.ckpt_every == 0 and rank == 0:
             path = Path(a.ckpt_dir) / f"step_{step}.pt"
             tmp = path.with_suffix(".tmp")

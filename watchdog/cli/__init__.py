@@ -309,7 +309,8 @@ def _say_span(file: str, host: str, j: Job, nodes: tuple[int, int]) -> None:
     for w in p.warnings:
         print(f"trainwatch: warning: {file}: jobs.{j.name}.command: {w}", file=sys.stderr)
     env = {**p.env_defaults, **{k: j.env[k] for k in p.env_defaults if k in j.env}, **p.env}
-    print(f"job {j.name}: spans {torchrun.span(nodes)} hosts (this one: {host}); runs "
+    print(f"job {j.name}: spans {torchrun.span(nodes)} host{'' if nodes == (1, 1) else 's'} "
+          f"(this one: {host}); runs "
           f"{shlex.join(p.argv)}; with " + " ".join(f"{k}={v}" for k, v in env.items()))
 
 

@@ -181,6 +181,8 @@ def held(r: Runner, fault: Fault, now: float) -> bool:
     g = r.group
     if g is None or fault.kind not in (FaultKind.HANG, FaultKind.NCCL_STALL):
         return False
+    if r.job.nodes is not None and r.job.nodes[1] <= 1:
+        return False  # nodes: 1, a torchrun job on one host: no other host to wait for
     if stopped_ranks(r.ranks.pids()):
         return False
     if g.held_since is None:

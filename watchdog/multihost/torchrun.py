@@ -242,4 +242,5 @@ def said(job: str, nodes: tuple[int, int], p: Plan) -> str:
         what = f"torchrun gets {' '.join(flags)} (trainwatch's budget ends the job, not torchrun's)"
     if env:
         what += (" and " if what else "torchrun gets ") + " ".join(env)
-    return f"job {job}: spans {span(nodes)} hosts; {what or 'torchrun runs as the job wrote it'}"
+    hosts = "host" if nodes == (1, 1) else "hosts"
+    return f"job {job}: spans {span(nodes)} {hosts}; {what or 'torchrun runs as the job wrote it'}"

@@ -1,7 +1,8 @@
-"""A one-host torchrun job under ``nodes: 1`` (its agent restarts its workers in
-place, through torchrun's rendezvous) whose GPU throws Xid 79: the workers
-must leave that GPU, and only a new agent gets a new CUDA_VISIBLE_DEVICES, so
-the whole tree is relaunched without it, not the workers under the old agent."""
+"""A one-host torchrun job under ``nodes: 1``: its agent restarts its workers in
+place, through torchrun's rendezvous. Its GPU throws Xid 79: the workers must
+leave that GPU, and only a new agent gets a new CUDA_VISIBLE_DEVICES, so the
+whole tree is relaunched without it. A rank stuck in its own code: the stall is
+acted on at once, with no other host to wait for."""
 
 from __future__ import annotations
 
@@ -30,15 +31,19 @@ def _workers(ws: Workspace) -> dict[int, str | None]:
     return {int(pid): _visible(int(pid)) for pid in ranks.values()}
 
 
+def _command(ws: Workspace, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+            "--nproc-per-node=2", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=tw-one-host",
+            "--monitor-interval=0.1", str(DDP), "--ckpt-dir", str(ws.ckpt), "--beat",
+            "--steps", "200", "--interval", "0.05", "--ckpt-every", "20", *args]
+
+
 def test_an_xid_in_a_group_job_relaunches_its_agent_without_the_gpu(ws: Workspace) -> None:
     """Xid 79 on GPU 1 of GPUs 0-2 (2 needed): a new agent, its workers on 0,2."""
     kern = ws.root / "kern.log"
     kern.write_text("")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-               "--nproc-per-node=2", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=tw-exclude",
-               "--monitor-interval=0.1", str(DDP), "--ckpt-dir", str(ws.ckpt), "--beat",
-               "--steps", "200", "--interval", "0.05", "--ckpt-every", "20"]
+    command = _command(ws)
     cfg = ws.config({"command": command, "nodes": 1, "gpus": {"devices": [0, 1, 2], "min": 2},
                      "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}},
                     {"max_restarts": 3},
@@ -60,3 +65,21 @@ def test_an_xid_in_a_group_job_relaunches_its_agent_without_the_gpu(ws: Workspac
     assert (inc["kind"], inc["action"], inc["gpu"]) == ("gpu_xid", "restart_exclude_gpu", 1), inc
     starts = [e for e in ws.transitions()]
     assert starts.count("starting") == 2, starts
+
+
+def test_a_stall_in_a_one_host_group_is_acted_on_without_waiting_for_other_hosts(
+        ws: Workspace) -> None:
+    """Rank 1 sleeps inside its step (not stopped): the stall restarts the workers in
+    place as soon as it is decided; the hold for another host's daemon (a group across
+    hosts waits 5 s for the host whose rank is stuck) is not for a group of one."""
+    cfg = ws.config({"command": _command(ws, "--sleep-rank1-at", "60"), "nodes": 1,
+                     "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}},
+                    {"max_restarts": 3})
+    p = ws.run(cfg)
+    wait_for(lambda: ws.incidents(), timeout=120, what="the stall incident")
+    code, out = finish(p, timeout=240)
+    assert code == 0, out[-3000:]
+    [inc] = ws.incidents()
+    assert inc["kind"] == "nccl_stall", inc
+    assert "waiting 5s for the host" not in out, out[-3000:]
+    assert "group restart 1" in out and ws.transitions().count("starting") == 2, out[-3000:]
