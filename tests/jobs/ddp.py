@@ -27,6 +27,9 @@ def main() -> int:
     p.add_argument("--print-every", type=int, default=0, help="print progress every N steps")
     p.add_argument("--stop-rank1-at", type=int, default=0,
                    help="rank 1 stops itself (SIGSTOP) after this step, first attempt only")
+    p.add_argument("--corrupt-at", type=int, default=0,
+                   help="rank 0 overwrites the newest checkpoint with garbage after this step "
+                        "and exits 1 (a disk that corrupted it, and the crash), first attempt")
     p.add_argument("--sleep-rank1-at", type=int, default=0,
                    help="rank 1 sleeps an hour after this step (not stopped), first attempt only")
     a = p.parse_args()
@@ -59,6 +62,10 @@ def main() -> int:
             os.kill(os.getpid(), signal.SIGSTOP)
         if rank == 1 and step == a.sleep_rank1_at and resume is None:
             time.sleep(3600)  # stuck in its own code, as a rank on a dead filesystem is
+        if rank == 0 and step == a.corrupt_at and resume is None:
+            newest = max(Path(a.ckpt_dir).glob("step_*.pt"), key=lambda q: int(q.stem[5:]))
+            newest.write_bytes(b"\0garbage" * 64)
+            raise SystemExit(1)
         if step % a.ckpt_every == 0 and rank == 0:
             path = Path(a.ckpt_dir) / f"step_{step}.pt"
             tmp = path.with_suffix(".tmp")

@@ -267,9 +267,9 @@ class JobRunner:
             return
         self.hang_latched = False
         self.ever_beaten = True
-        a = self.attempt
-        if first and a is not None and a.resumed_step is not None:
-            self.catalog.start_succeeded(a.resumed_step)
+        resumed = group.resumed_step(self) if first else None
+        if resumed is not None:
+            self.catalog.start_succeeded(resumed)
         if first:
             # Back at work: the outage cost its downtime and the steps it must redo.
             lost = self.outages.back(taken.at)

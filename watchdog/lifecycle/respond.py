@@ -94,9 +94,8 @@ def progressed(r: Runner) -> bool:
     a = r.attempt
     if a is None:
         return False
-    newest = r.catalog.last_good(fresh=False)
-    return newest is not None and newest.step > (a.resumed_step if a.resumed_step is not None
-                                                 else -1)
+    newest, resumed = r.catalog.last_good(fresh=False), group.resumed_step(r)
+    return newest is not None and newest.step > (resumed if resumed is not None else -1)
 
 
 def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
@@ -105,9 +104,10 @@ def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:
     fault = firstfailure.explain(r, fault)  # a crash: the rank that failed first
     now = r.clock()
     exited = a.returncode is not None
-    resumed = a.resumed_step
+    resumed = group.resumed_step(r)
     # Dying (or hanging) before the first beat after loading a checkpoint
-    # counts against that checkpoint.
+    # counts against that checkpoint (a group's round's too: else a corrupt one
+    # is every round's decision, and the group crash-loops on it).
     failed_start = not r.ranks.beaten and resumed is not None and r.ever_beaten
     if failed_start and resumed is not None and r.catalog.start_failed(resumed):
         log.warning("job %s: checkpoint step %d marked bad: %s", r.job.name, resumed,

@@ -62,6 +62,8 @@ class Group:
     settle: tuple[int, int, str | None, float] | None = None  # restart, incident, began, when
     out: Out | None = None  # this host left the group: its pre-flight (leave.py)
     joining: Joining | None = None  # a peer's join, followed: its admission is due
+    rounds: int = 0  # the rounds this attempt's agent has begun since its launch
+    resumed: int | None = None  # the step the newest round resumed from (None: scratch)
 
 
 def for_job(config: Config, job: Job) -> Group | None:
@@ -89,8 +91,18 @@ def env(r: Runner) -> dict[str, str]:
 def job_for_attempt(r: Runner, job: Job) -> Job:
     if r.group is not None:
         r.group.log_from = 0  # a new attempt's log
+        r.group.rounds = 0
     extra = env(r)
     return dataclasses.replace(job, env={**job.env, **extra}) if extra else job
+
+
+def resumed_step(r: Runner) -> int | None:
+    """The step the ranks running now resumed from: the newest round's, once the
+    agent has begun one (its workers load the group's decision), else the launch's."""
+    g, a = r.group, r.attempt
+    if g is not None and g.rounds:
+        return g.resumed
+    return a.resumed_step if a is not None else None
 
 
 def of_rounds_before(r: Runner, pid: int) -> bool:

@@ -145,6 +145,7 @@ def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int 
     r.hang_latched = False
     rollback.sealed(r, incident, r.catalog.seal_quarantine())
     step = rec.resume_step if rec is not None else None
+    g.rounds, g.resumed = g.rounds + 1, step  # a death before its first beat counts on it
     reached, r.last_step = r.last_step, step
     r.outages.started(now)
     r.to(JobState.STARTING, reason)
