@@ -84,19 +84,23 @@ def test_a_stall_in_a_one_host_group_is_acted_on_without_waiting_for_other_hosts
     assert inc["kind"] == "nccl_stall", inc
     assert "waiting 5s for the host" not in out, out[-3000:]
     assert "group restart 1" in out and ws.transitions().count("starting") == 2, out[-3000:]
+    # The round counts as running at its first beat, not at once (its agent is old).
+    assert "up 10s without heartbeats" not in out, out[-3000:]
 
 
 def test_rounds_that_die_loading_a_corrupt_checkpoint_mark_it_bad_and_resume_before_it(
         ws: Workspace) -> None:
     """The newest checkpoint is overwritten with garbage and a rank exits: the group's
-    rounds resume from it and die loading it; after checkpoints.bad_after (3) deaths
-    before a beat it is bad, the next round resumes from the one before, and the job
-    ends well (not a crash loop until the budget is spent)."""
+    decision is verified (the file no longer matches what was hashed when it was
+    reported), so it resumes from the one before; had the check been slow, the rounds'
+    deaths loading it would mark it bad after checkpoints.bad_after (3). Either way the
+    job ends well, not in a crash loop until the budget is spent."""
     cfg = ws.config({"command": _command(ws, "--corrupt-at", "45"), "nodes": 1,
                      "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}},
                     {"max_restarts": 6})
     code, out = finish(ws.run(cfg), timeout=300)
     assert code == 0, out[-3000:]
-    assert "checkpoint step 40 marked bad" in out, out[-3000:]
+    assert ("checkpoint step 40 failed verification" in out
+            or "checkpoint step 40 marked bad" in out), out[-3000:]
     resumed = [i["resumed_step"] for i in ws.incidents()]
-    assert resumed[-1] == 20 and 40 in resumed, (resumed, out[-3000:])
+    assert resumed[-1] == 20, (resumed, out[-3000:])

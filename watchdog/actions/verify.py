@@ -66,6 +66,24 @@ def _check(r: JobParts, cp: Entry) -> Check:
     return c
 
 
+def checkpoint_now(r: JobParts, within: float) -> Entry | None:
+    """The checkpoint to resume from, decided now (a group's restart: its ranks wait
+    for the decision): verified if its check ends ``within`` seconds (a small one's
+    does), else the newest good as judged, its check going on (a death loading it
+    then counts against it, and the next decision has the verdict)."""
+    for _ in range(8):  # each turn marks one bad and checks the one before
+        ready, cp = checkpoint_to_use(r, wait=False)
+        if ready:
+            return cp
+        c = r.catalog.checking
+        if not isinstance(c, Check) or c.thread is None or c.done:
+            break
+        c.thread.join(within)
+        if not c.done:
+            break
+    return r.catalog.last_good()
+
+
 def checkpoint_to_use(r: JobParts, wait: bool) -> tuple[bool, Entry | None]:
     """(ready, the checkpoint to resume from). Not ready: its check is still
     running (only when not ``wait``); try again shortly."""

@@ -340,7 +340,7 @@ class JobRunner:
         if a is not None and a.pidfd is None:
             wake = now + _EXIT_POLL
         if self.state is JobState.STARTING:
-            wake = min(wake, (a.started if a else now) + live.RUNNING_WITHOUT_BEATS)
+            wake = min(wake, self.ranks.started + live.RUNNING_WITHOUT_BEATS)
         if self.state in (JobState.STARTING, JobState.RUNNING):
             times = [stallwatch.deadline(self, now),
                      None if self.hang_latched else detector_deadline(self.view(now))]

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainwatch.actions import verify
 from trainwatch.actions.tree import stopped_ranks
 from trainwatch.multihost import records, rounds, stackshare
 from trainwatch.types import Action, Fault, FaultKind, JobState
@@ -43,6 +44,7 @@ UNKNOWN_GRACE = 2.0  # a rank's exit of unknown status, while its agent lives: a
 # host whose rank is (its ranks wait for it in a collective) to restart the group.
 HOLD = 5.0
 ABSORB = 2  # failures before the first beat after a restart taken as part of it
+_VERIFY_WITHIN = 0.25  # seconds the loop waits on a checkpoint's check before deciding
 
 
 @dataclass
@@ -220,7 +222,9 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
     onset = wall - max(0.0, r.clock() - fault.onset)
     if g.gen > (g.base or 0) and not r.ranks.beaten and g.absorbed < ABSORB:
         return _part_of_last(r, g, a, fault, incident, charged, onset)
-    cp = r.catalog.last_good()  # after a rollback's quarantine: before the anomaly
+    # After a rollback's quarantine: before the anomaly. Verified when its check is
+    # quick: else a corrupt one is every round's decision until its deaths mark it bad.
+    cp = verify.checkpoint_now(r, _VERIFY_WITHIN)
     decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
                 "at": wall, "charged": charged}

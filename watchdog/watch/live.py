@@ -27,8 +27,9 @@ _LIVE = (JobState.STARTING, JobState.RUNNING)
 
 
 def check(r: Runner, a: Attempt, now: float) -> None:
+    # Since the attempt's start, or its group round's (r.ranks begin with either).
     if r.state is JobState.STARTING and not r.ranks.beaten \
-            and now - a.started >= RUNNING_WITHOUT_BEATS:
+            and now - r.ranks.started >= RUNNING_WITHOUT_BEATS:
         r.to(JobState.RUNNING, f"up {RUNNING_WITHOUT_BEATS:g}s without heartbeats")
     r.first_failure.tick(r, now)  # the rank processes, watched
     # A multi-host job: a rank's own end, a peer's restart, evidence before a restart.
