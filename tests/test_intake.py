@@ -5,6 +5,7 @@ read, and the attempt's ring folder lives exactly as long as the attempt."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import signal
@@ -204,6 +205,28 @@ def bare(tmp_path: Path) -> Iterator[_Bare]:
         sel.close()
 
 
+@contextlib.contextmanager
+def _writer(code: str, *args: str, ready: str) -> Iterator[subprocess.Popen[str]]:
+    """A client process that beats, prints ``ready`` and waits for a line on stdin
+    before the rest of its beats (``_go``): the test acts in between."""
+    p = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline() == ready + "\n"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _go(p: subprocess.Popen[str]) -> None:
+    assert p.stdin is not None
+    p.stdin.write("go\n")
+    p.stdin.close()
+    assert p.wait(timeout=60) == 0
+
+
 def test_a_beat_sent_both_as_a_datagram_and_in_the_ring_is_handed_on_once(bare: _Bare) -> None:
     """A client with a ring sends its first beat and each non-finite one as a datagram
     too: the detectors get every step once, in order once the ring is being read
@@ -216,23 +239,14 @@ def test_a_beat_sent_both_as_a_datagram_and_in_the_ring_is_handed_on_once(bare: 
             "    for s in range(a, b):\n"
             "        hb.beat(s, loss=math.nan if s in (3, 7) else 1.0 / s)\n"
             "beats(1, 5)\nprint('4', flush=True)\nsys.stdin.readline()\nbeats(5, 9)\n")
-    p = subprocess.Popen([sys.executable, "-c", code, str(bare.sock), str(bare.rings)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdin is not None
-        assert p.stdout.readline() == "4\n"
+    with _writer(code, str(bare.sock), str(bare.rings), ready="4") as p:
         bare.intake.drain()
         assert len(bare.intake.readers) == 1
         assert sorted(b.step for b in bare.beats) == [1, 2, 3, 4], bare.beats
-        p.stdin.write("go\n")
-        p.stdin.close()
-        assert p.wait(timeout=60) == 0
+        _go(p)
         bare.intake.drain()
         assert [b.step for b in bare.beats[4:]] == [5, 6, 7, 8], bare.beats
         assert [repr(b.loss) for b in bare.beats if b.step in (3, 7)] == ["nan", "nan"]
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_a_ring_seen_before_its_writers_first_datagram_is_read_once_that_comes(
@@ -248,23 +262,14 @@ def test_a_ring_seen_before_its_writers_first_datagram_is_read_once_that_comes(
             "for s in range(1, 21):\n    hb.beat(s, loss=1.0 / s)\n"
             "print('20', flush=True)\nsys.stdin.readline()\n"
             "client.Heartbeat(sys.argv[1], 0).beat(20, loss=1.0 / 20)\n")
-    p = subprocess.Popen([sys.executable, "-c", code, str(bare.sock), str(bare.rings)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout is not None and p.stdin is not None
-        assert p.stdout.readline() == "20\n"
+    with _writer(code, str(bare.sock), str(bare.rings), ready="20") as p:
         intake = bare.intake
         intake.tick(time.monotonic() + 2)  # the ring poll first: its writer is unknown
         assert intake.readers == {} and intake.rings_refused == 1
-        p.stdin.write("go\n")
-        p.stdin.close()
-        assert p.wait(timeout=60) == 0
+        _go(p)
         intake.drain()  # then its datagram: the pid beat, the ring is looked at again
         assert sorted({b.step for b in bare.beats}) == list(range(1, 21)), bare.beats
         assert (len(intake.readers), intake.rings_refused) == (1, 0)
-    finally:
-        p.kill()
-        p.wait()
 
 
 def test_what_an_ended_attempt_sent_is_read_as_its_own_not_the_next_attempts(
@@ -308,18 +313,13 @@ def test_a_checkpoint_reported_before_a_ring_step_is_known_before_that_step(
             "hb.beat(6, loss=math.nan)\n")
     try:
         intake.new_attempt(str(rings))
-        p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "job.sock"),
-                              str(rings), str(tmp_path / "step_5")],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert p.stdout is not None and p.stdin is not None
-        assert p.stdout.readline() == "1\n"
-        intake.drain()  # its first beat: the ring is open from here
-        assert order == ["beat 1"] and len(intake.readers) == 1, order
-        p.stdin.write("go\n")
-        p.stdin.close()
-        assert p.wait(timeout=60) == 0
-        intake.tick(time.monotonic() + 2 * 60)  # the ring poll, before any socket poll
-        assert order == ["beat 1", "report 5", "beat 6"], order
+        with _writer(code, str(tmp_path / "job.sock"), str(rings), str(tmp_path / "step_5"),
+                     ready="1") as p:
+            intake.drain()  # its first beat: the ring is open from here
+            assert order == ["beat 1"] and len(intake.readers) == 1, order
+            _go(p)
+            intake.tick(time.monotonic() + 2 * 60)  # the ring poll, before any socket poll
+            assert order == ["beat 1", "report 5", "beat 6"], order
     finally:
         intake.close()
         sel.close()
