@@ -8,6 +8,7 @@ the rounds that die loading it mark it bad, as separate launches would."""
 from __future__ import annotations
 
 import sys
+from datetime import datetime
 from pathlib import Path
 
 from conftest import Workspace, finish, free_port, wait_for
@@ -84,8 +85,14 @@ def test_a_stall_in_a_one_host_group_is_acted_on_without_waiting_for_other_hosts
     assert inc["kind"] == "nccl_stall", inc
     assert "waiting 5s for the host" not in out, out[-3000:]
     assert "group restart 1" in out and ws.transitions().count("starting") == 2, out[-3000:]
-    # The round counts as running at its first beat, not at once (its agent is old).
-    assert "up 10s without heartbeats" not in out, out[-3000:]
+    # The round counts as running at its first beat, or 10 s after it began (its workers
+    # slow to start), not at once: its agent is old, the round is new.
+    lines = out.splitlines()
+    began = next(i for i, x in enumerate(lines) if "running -> starting: group restart 1" in x)
+    ran = next(x for x in lines[began:] if "starting -> running" in x)
+    waited = (datetime.fromisoformat(ran.split()[0])
+              - datetime.fromisoformat(lines[began].split()[0])).total_seconds()
+    assert "first heartbeat" in ran or waited >= 9.9, (waited, ran)
 
 
 def test_rounds_that_die_loading_a_corrupt_checkpoint_mark_it_bad_and_resume_before_it(
