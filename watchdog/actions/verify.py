@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,15 +71,18 @@ def checkpoint_now(r: JobParts, within: float) -> Entry | None:
     """The checkpoint to resume from, decided now (a group's restart: its ranks wait
     for the decision): verified if its check ends ``within`` seconds (a small one's
     does), else the newest good as judged, its check going on (a death loading it
-    then counts against it, and the next decision has the verdict)."""
-    for _ in range(8):  # each turn marks one bad and checks the one before
+    then counts against it, and the next decision has the verdict). ``within`` is
+    the loop's whole wait, however many checkpoints fail their check in it."""
+    deadline = time.monotonic() + within
+    while True:  # each turn marks one bad and checks the one before
         ready, cp = checkpoint_to_use(r, wait=False)
         if ready:
             return cp
         c = r.catalog.checking
-        if not isinstance(c, Check) or c.thread is None or c.done:
+        left = deadline - time.monotonic()
+        if not isinstance(c, Check) or c.thread is None or c.done or left <= 0:
             break
-        c.thread.join(within)
+        c.thread.join(left)
         if not c.done:
             break
     return r.catalog.last_good()
