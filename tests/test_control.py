@@ -18,6 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,14 @@ from trainwatch.host.control import (
     MAX_REQUEST,
     ControlError,
     ControlSocket,
+    Later,
     Peer,
     Refused,
     SocketInUse,
     control_path,
     request,
 )
+from trainwatch.host.deferred import MAX_PENDING
 from trainwatch.sources.kmsg import KernelLog, parse_line
 
 NOBODY = 65534
@@ -398,6 +401,118 @@ def test_stale_socket_file_is_replaced(run_dir: str) -> None:
         assert request(run_dir, "ping", {}) == {"ok": True, "done": "ping"}
     finally:
         srv.stop()
+
+
+class _DeferringLoop:
+    """A ControlSocket whose handler defers ``slow`` (work that waits for
+    ``gate``) and ``broken`` (work that raises), served by a loop in a thread
+    that settles the deferred replies when woken, as the daemon's does."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.gate = threading.Event()
+        self.then_threads: list[str] = []
+        self._wake_r, self._wake_w = os.pipe()
+        self._stop_r, self._stop_w = os.pipe()
+        self.sock = ControlSocket(run_dir, self._handle, wake=self._wake)
+        self._thread = threading.Thread(target=self._loop, name="the loop", daemon=True)
+        self._thread.start()
+
+    def _handle(self, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any] | Later:
+        if op == "slow":
+            return Later(lambda: self.gate.wait(60) and args["n"] * 2, self._then)
+        if op == "broken":
+            def fail() -> None:
+                raise ValueError("the remote did not answer")
+            return Later(fail, self._then)
+        return {"done": op}
+
+    def _wake(self) -> None:
+        os.write(self._wake_w, b"\0")
+
+    def _then(self, got: Any) -> dict[str, Any]:
+        self.then_threads.append(threading.current_thread().name)
+        return {"got": got}
+
+    def _loop(self) -> None:
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.sock, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            sel.register(self._stop_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in sel.select():
+                    if key.fileobj == self._stop_r:
+                        return
+                    if key.fileobj == self._wake_r:
+                        os.read(self._wake_r, 512)
+                        self.sock.settle()
+                    else:
+                        self.sock.handle()
+
+    def stop(self) -> None:
+        self.gate.set()
+        os.write(self._stop_w, b"x")
+        self._thread.join(timeout=10)
+        self.sock.close()
+        for fd in (self._wake_r, self._wake_w, self._stop_r, self._stop_w):
+            os.close(fd)
+
+
+def _asking(run_dir: str, op: str, args: dict[str, Any]) -> tuple[threading.Thread,
+                                                                   list[Any]]:
+    out: list[Any] = []
+
+    def ask() -> None:
+        try:
+            out.append(request(run_dir, op, args, timeout=60))
+        except ControlError as e:
+            out.append(str(e))
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_deferred_reply_comes_when_its_work_is_done_and_others_are_answered_meanwhile(
+        run_dir: str) -> None:
+    """A request whose handler returns a Later is answered once its work (in a
+    thread) is done, with what its ``then`` makes of the result on the loop; while
+    it waits, the loop answers other requests."""
+    loop = _DeferringLoop(run_dir)
+    try:
+        slow, got = _asking(run_dir, "slow", {"n": 21})
+        wait_for(lambda: len(loop.sock.deferred) == 1, timeout=10, what="the slow request")
+        assert request(run_dir, "quick", {}) == {"ok": True, "done": "quick"}
+        assert got == [] and slow.is_alive()
+        loop.gate.set()
+        slow.join(30)
+        assert got == [{"ok": True, "got": 42}]
+        assert loop.then_threads == ["the loop"]  # not the worker's thread
+        assert len(loop.sock.deferred) == 0
+        assert request(run_dir, "broken", {}, timeout=30) == {
+            "ok": False, "error": "broken: the remote did not answer"}
+        assert loop.sock.counters.failed == 1
+    finally:
+        loop.stop()
+
+
+def test_deferred_requests_past_the_limit_are_refused_at_once(run_dir: str) -> None:
+    """MAX_PENDING requests waiting for their work: the next one is refused with
+    one line, not queued; once they are answered, a new one is taken again."""
+    loop = _DeferringLoop(run_dir)
+    try:
+        waiting = [_asking(run_dir, "slow", {"n": i}) for i in range(MAX_PENDING)]
+        wait_for(lambda: len(loop.sock.deferred) == MAX_PENDING, timeout=10,
+                 what="the slow requests")
+        reply = request(run_dir, "slow", {"n": 99})
+        assert reply["ok"] is False and reply["error"].startswith("slow: busy:"), reply
+        loop.gate.set()
+        for t, _ in waiting:
+            t.join(30)
+        assert sorted(out[0]["got"] for _, out in waiting) == [2 * i for i in
+                                                              range(MAX_PENDING)]
+        assert request(run_dir, "slow", {"n": 5}, timeout=30) == {"ok": True, "got": 10}
+    finally:
+        loop.stop()
 
 
 # --- faultinject -------------------------------------------------------------

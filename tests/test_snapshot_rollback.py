@@ -156,3 +156,54 @@ def test_rollback_to_a_step_neither_local_nor_remote_holds_is_refused_untouched(
     assert [r["attempt"] for r in _rows(ws) if "restored" in r] == [0]
     out = _end(ws, p)
     assert "snapshot of step 7" not in out, out[-3000:]
+
+
+CREDS = """#!/bin/sh
+# A credential_process that takes its time while the file HOLD exists.
+while [ -e {hold} ]; do touch {waiting}; sleep 0.05; done
+echo '{{"Version": 1, "AccessKeyId": "testing", "SecretAccessKey": "testing"}}'
+"""
+
+
+def test_a_rollback_waiting_on_the_remote_leaves_the_daemon_answering(
+        ws: Workspace, s3: S3Bucket) -> None:
+    """The job's credentials come from a credential_process (run as the job's user,
+    in the hand that lists the remote) that takes its time: while `rollback
+    --to-step 5` waits for the listing, `status` is answered, as every other job
+    would be; once the listing is done, the rollback is answered and carried out."""
+    url = f"{s3.url}/job"
+    hold, waiting, script = ws.root / "HOLD", ws.root / "waiting", ws.root / "creds.sh"
+    script.write_text(CREDS.format(hold=hold, waiting=waiting))
+    script.chmod(0o755)
+    (ws.root / "aws.cfg").write_text(f"[default]\ncredential_process = {script}\n")
+    env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "",
+           "AWS_CONFIG_FILE": str(ws.root / "aws.cfg"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(ws.root / "none")}
+    cfg = ws.config({"command": _command(ws, "--keep", "2", "--remote", url),
+                     "resume_args": [], "env": env,
+                     "checkpoints": {"dir": str(ws.ckpt), "layout": "trainwatch",
+                                     "remote": url}})
+    p = ws.run(cfg)
+    saved = _saved(ws, 20)
+    wait_for(lambda: not (ws.ckpt / "snapshot-5").exists(), timeout=10,
+             what="retention to delete the local snapshot 5")
+
+    hold.touch()
+    rollback = subprocess.Popen(
+        [sys.executable, "-m", "trainwatch.cli", "rollback", "job", "--to-step", "5",
+         "--run-dir", str(ws.root / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        wait_for(waiting.exists, timeout=20, what="the listing to wait for its credentials")
+        st = _tw(ws, "status", "--json")
+        assert st.returncode == 0, st.stderr
+        assert rollback.poll() is None  # still waiting for the listing
+    finally:
+        hold.unlink()
+    out, err = rollback.communicate(timeout=60)
+    assert rollback.returncode == 0, err
+    assert out.strip() == (f"job: relaunching from step 5 ({ws.ckpt / 'snapshot-5'}, "
+                           f"being pulled from {url})"), out
+    got = _restored(ws, 1)
+    assert got["restored"] == 5 and got["digest"] == saved[5], (got, saved)
+    _end(ws, p)

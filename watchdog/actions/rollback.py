@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,20 +30,33 @@ log = logging.getLogger("trainwatch")
 MAX_LISTED = 64  # quarantined steps named in an incident; the rest are counted
 
 
-def to_step(r: Runner, step: int, reason: str) -> str:
+def listing(r: Runner, step: int) -> Callable[[], list[int]] | None:
+    """The work that lists the remote store's steps, when ``to_step`` needs it
+    (``step`` not in the catalog, ``checkpoints.remote`` set): a hand as the
+    job's user, up to ``pull.LIST_MAX``, so the caller runs it off the loop and
+    hands its result to ``to_step``. None when the catalog is enough."""
+    remote, root = r.job.checkpoints.remote, r.catalog.spec.dir
+    if remote is None or root is None or any(e.step == step for e in r.catalog.entries()):
+        return None
+    ident = pull.job_ident(r)
+    env = pull.environment(r, ident)
+    return lambda: pull.steps(remote, env=env, ident=ident)
+
+
+def to_step(r: Runner, step: int, reason: str, held: list[int] | None = None) -> str:
     """Roll ``r`` back to its good checkpoint of ``step``; its path. None on local
-    disk but a remote store set (``checkpoints.remote``) that holds it: pulled
-    from there first, the relaunch waiting for it. A ValueError when there is
-    none (the one line the operator sees), the job left as it was."""
+    disk but a remote store set (``checkpoints.remote``) that holds it (``held``:
+    its steps, as ``listing`` lists them): pulled from there first, the relaunch
+    waiting for it. A ValueError when there is none (the one line the operator
+    sees), the job left as it was."""
     entries = r.catalog.entries()
     entry = next((e for e in entries if e.step == step), None)
     remote, root = r.job.checkpoints.remote, r.catalog.spec.dir
     if entry is None and remote is not None and root is not None:
         if pull.pending(r):
             raise ValueError(f"a pull from {remote} is under way: try again once it is done")
-        # Before anything is touched (a step it lacks is refused), with the job's credentials.
-        ident = pull.job_ident(r)
-        held = pull.steps(remote, env=pull.environment(r, ident), ident=ident)
+        if held is None:  # it was on local disk when asked, and is gone since
+            raise ValueError(f"step {step} is no longer on local disk: ask again")
         if step not in held:
             have = [e.step for e in entries if e.good]
             raise ValueError(f"no snapshot of step {step} on local disk (good: {have or 'none'}) "

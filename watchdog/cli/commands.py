@@ -94,17 +94,22 @@ def run_dir_of(args: argparse.Namespace) -> str:
     return default_dirs()[1]
 
 
+# A rollback to a step only the remote store holds waits for the remote's
+# listing, in a hand as the job's user (pull.LIST_MAX, 10 s, plus the hand's start).
+ROLLBACK_WAIT = 30.0
+
+
 def _permission(path: str) -> Failed:
     # The socket is open to every local user (the daemon decides per request);
     # what keeps one out is the folder it lies in.
     return Failed(f"permission denied: {path}: its folder (run_dir) is not open to this user")
 
 
-def ask(run_dir: str, op: str, args: dict[str, Any]) -> dict[str, Any]:
+def ask(run_dir: str, op: str, args: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
     """One request; the reply's payload (without "ok"). Raises Failed, one line."""
     path = control_path(run_dir)
     try:
-        reply = request(run_dir, op, args)
+        reply = request(run_dir, op, args, timeout)
     except ControlError as e:
         # request() raises "from None"; the OS error it maps is still the context.
         cause = e.__context__
@@ -330,7 +335,8 @@ def _checkpoints_from_disk(args: argparse.Namespace) -> int:
 
 @_command
 def cmd_rollback(args: argparse.Namespace) -> int:
-    reply = ask(run_dir_of(args), "rollback", {"job": args.job, "step": args.to_step})
+    reply = ask(run_dir_of(args), "rollback", {"job": args.job, "step": args.to_step},
+                timeout=ROLLBACK_WAIT)
     if args.json:
         _print_json(reply)
     else:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainwatch.host.access import GROUP, Peer, Peers, Refused
+from trainwatch.host.deferred import Deferrals, Later
 from trainwatch.sources.heartbeat import SocketInUse, listening
 
 log = logging.getLogger("trainwatch")
@@ -66,7 +67,7 @@ _SENDERS_MAX = 1024  # senders remembered (rate, last line); all forgotten when 
 _RATE = 100.0  # requests a second from one sender that is not an admin ...
 _BURST = 200.0  # ... after a burst of this many
 
-Handler = Callable[[str, dict[str, Any], Peer], dict[str, Any]]
+Handler = Callable[[str, dict[str, Any], Peer], "dict[str, Any] | Later"]
 
 __all__ = [
     "GROUP",
@@ -74,6 +75,7 @@ __all__ = [
     "ControlSocket",
     "Counters",
     "Handler",
+    "Later",
     "Peer",
     "Refused",
     "SocketInUse",
@@ -130,9 +132,11 @@ class ControlSocket:
 
     def __init__(self, run_dir: str, handler: Handler, *, group: str = GROUP,
                  quiet: frozenset[str] = frozenset(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 wake: Callable[[], None] = lambda: None) -> None:
         self.path = control_path(run_dir)
         self.handler = handler
+        self.deferred = Deferrals(wake)  # requests waiting for a job's hand (deferred.py)
         self.counters = Counters()
         if len(os.fsencode(self.path)) > _MAX_PATH:
             raise ControlError(
@@ -210,14 +214,25 @@ class ControlSocket:
             c.malformed += 1
             self._reply(addr, {"ok": False, "error": f"malformed request: {e}"})
             return
+        self._answer(op, args, peer, addr, lambda: self.handler(op, args, peer))
+
+    def _answer(self, op: str, args: dict[str, Any], peer: Peer, addr: Any,
+                make: Callable[[], dict[str, Any] | Later]) -> None:
+        """Reply with what ``make`` returns (or the one line it raised), or,
+        when it returns a Later, once its work is done (``settle()``)."""
+        c = self.counters
         try:
-            result = self.handler(op, args, peer)
+            result = make()
+            if isinstance(result, Later):
+                self.deferred.start(result, op, lambda then: self._answer(op, args, peer,
+                                                                         addr, then))
+                return
             if not isinstance(result, dict):
                 raise TypeError(f"handler returned {type(result).__name__}, not a dict")
             reply = {"ok": True, **{k: v for k, v in result.items() if k != "ok"}}
             log.log(logging.DEBUG if op in self.quiet else logging.INFO,
                     "control: %s %s from pid %d %s", op,
-                    json.dumps(args, sort_keys=True, default=str)[:_ERROR_MAX], pid, peer)
+                    json.dumps(args, sort_keys=True, default=str)[:_ERROR_MAX], peer.pid, peer)
         except Refused as e:
             c.refused += 1
             self._note(peer, f"refused {op}", str(e))
@@ -229,6 +244,11 @@ class ControlSocket:
             reply = {"ok": False, "error": _one_line(f"{op}: {e}" if str(e) else
                                                      f"{op}: {type(e).__name__}")}
         self._reply(addr, reply)
+
+    def settle(self) -> int:
+        """Answer the deferred requests whose work is done (call it from the loop
+        after ``wake``); how many were."""
+        return self.deferred.settle()
 
     def _within_rate(self, peer: Peer) -> bool:
         """A token bucket per uid (_RATE a second, _BURST at once); admins have none."""

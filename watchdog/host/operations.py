@@ -22,6 +22,7 @@ from trainwatch.actions import prune, rollback
 from trainwatch.actions.launch import launch
 from trainwatch.host import access, drillrequests
 from trainwatch.host.access import Peer
+from trainwatch.host.deferred import Later
 from trainwatch.lifecycle.policy import RestartHistory
 from trainwatch.slurm import attach
 from trainwatch.state import checkpointlist
@@ -40,9 +41,11 @@ QUIET = READS | {"attach"}  # not logged one by one (a rank asks again every 0.2
 _INCIDENTS_MAX = 200  # rows in one reply (a datagram of at most 64 KiB)
 
 
-def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
-    """The reply to one request from ``peer``; raises access.Refused before any
-    work when the request is not theirs to make."""
+def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer
+           ) -> dict[str, Any] | Later:
+    """The reply to one request from ``peer`` (a Later when it waits for a job's
+    hand: deferred.py); raises access.Refused before any work when the request
+    is not theirs to make."""
     if op == "attach":  # any user's rank: the proof is the authorisation
         return attach.answer(sup, args, peer)
     if op not in OPS:
@@ -62,8 +65,10 @@ def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer) -> dict[s
         step = args.get("step")
         if not isinstance(step, int) or isinstance(step, bool):
             raise ValueError(f"expected a step number, got {step!r}")
-        path = rollback.to_step(r, step, f"operator: rollback to step {step}")
-        return {"job": r.job.name, "checkpoint": path, "step": step}
+        work = rollback.listing(r, step)
+        if work is not None:  # the remote's listing waits in a hand, off the loop
+            return Later(work, lambda held: roll_back(sup, r, step, held))
+        return roll_back(sup, r, step, None)
     if op == "pause":
         pause(r, True)
     elif op == "resume":
@@ -73,6 +78,15 @@ def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer) -> dict[s
     elif op == "start":
         start(r)
     return {"job": r.job.name, "state": r.state.value if r.state else None, "paused": r.paused}
+
+
+def roll_back(sup: Supervisor, r: Runner, step: int, held: list[int] | None
+              ) -> dict[str, Any]:
+    """Roll ``r`` back to ``step`` (``held``: the remote's steps, listed off the loop)."""
+    if r not in sup.runners:  # removed by a reload while the remote was listed
+        raise ValueError(f"job {r.job.name} is no longer supervised here")
+    path = rollback.to_step(r, step, f"operator: rollback to step {step}", held)
+    return {"job": r.job.name, "checkpoint": path, "step": step}
 
 
 def pause(r: Runner, paused: bool) -> None:

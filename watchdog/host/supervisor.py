@@ -23,7 +23,7 @@ from trainwatch.export.metrics import Exporter
 from trainwatch.host import operations
 from trainwatch.host.access import Peer
 from trainwatch.host.agenda import Agenda
-from trainwatch.host.control import ControlSocket
+from trainwatch.host.control import ControlSocket, Later
 from trainwatch.host.jobcheck import check_command
 from trainwatch.lifecycle.job import JobRunner
 from trainwatch.sources.heartbeat import SocketInUse
@@ -115,7 +115,7 @@ class Supervisor:
         self.control: ControlSocket | None = None
         try:
             self.control = ControlSocket(config.run_dir, self._on_control,
-                                         quiet=operations.QUIET)
+                                         quiet=operations.QUIET, wake=self.wake)
             self.sel.register(self.control, selectors.EVENT_READ,
                               lambda _fd: self.control and self.control.handle())
         except (SocketInUse, OSError) as e:
@@ -220,6 +220,8 @@ class Supervisor:
     def _on_wake(self, fd: int) -> None:
         with contextlib.suppress(BlockingIOError):
             os.read(fd, 512)
+        if self.control is not None and self.control.settle():
+            self.agenda.poke_all()  # a deferred request may have changed any job
 
     def wake(self) -> None:
         """Wake the loop from another thread (a GPU source) or a signal handler."""
@@ -231,7 +233,8 @@ class Supervisor:
         self.stop_signal = signum
         self.wake()
 
-    def _on_control(self, op: str, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+    def _on_control(self, op: str, args: dict[str, Any], peer: Peer
+                    ) -> dict[str, Any] | Later:
         """An operator's command (operations.py) or a drill from faultinject
         (drillrequests.py), from ``peer``: authorised there, per request."""
         self.agenda.poke_all()  # any job may be changed by it: each is ticked
