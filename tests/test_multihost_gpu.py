@@ -265,10 +265,18 @@ def test_a_host_whose_gpu_fails_leaves_the_group_and_rejoins_after_its_pre_fligh
     assert int(last["hA"]["start"]) >= int(alone["start"]), runs  # type: ignore[call-overload]
     assert "pre-flight of GPUs 0: sim: GPU 0: injected Xid 79" in outs["hB"], outs["hB"][-3000:]
     for name, ws in (("hA", a), ("hB", b)):
-        got = ws.incidents()
+        everything = ws.incidents()
+        # A rank that torchrun's agent stops while the round with the newcomer forms
+        # (SIGTERM, seen under load) is recorded as part of that group restart, not
+        # charged: an incident of its own, not a third restart.
+        aftermath = [i for i in everything if json.loads(i["evidence"]).get("part_of_restart")]
+        assert all(json.loads(i["evidence"]).get("group_restart") == 2
+                   and json.loads(i["evidence"]).get("charged") is False
+                   for i in aftermath), (name, aftermath)
+        got = [i for i in everything if i not in aftermath]
         evs = [json.loads(i["evidence"]) for i in got]
         if [e.get("group_restart") for e in evs] != [1, 2]:
-            # Printed whole (pytest shortens an assertion's message): seen twice under load.
+            # Printed whole (pytest shortens an assertion's message).
             print("\n".join([name, *(json.dumps([i["kind"], i["decision"], e]) for i, e in
                                      zip(got, evs, strict=True)), outs[name][-12000:]]))
         assert [e.get("group_restart") for e in evs] == [1, 2], name
