@@ -226,7 +226,8 @@ class Supervisor:
     def wake(self) -> None:
         """Wake the loop from another thread (a GPU source) or a signal handler."""
         with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"\0")
+            if self._wake_w >= 0:  # not after close(): its number may be another file's
+                os.write(self._wake_w, b"\0")
 
     def request_stop(self, signum: int = signal.SIGINT) -> None:
         """Stop every job and return; safe from a signal handler or another thread."""
@@ -347,7 +348,9 @@ class Supervisor:
             r.close(release=self.release_jobs())
         self.sel.unregister(self._wake_r)
         os.close(self._wake_r)
-        os.close(self._wake_w)
+        # A thread may still finish its work and wake us (a deferred request, deferred.py).
+        w, self._wake_w = self._wake_w, -1
+        os.close(w)
         self.ledger.close()
         for lk in self.locks:
             lk.release()
