@@ -127,8 +127,10 @@ def _parse(data: bytes) -> tuple[str, dict[str, Any]]:
 class ControlSocket:
     """The listening end. Register ``fileno()`` with a selector and call
     ``handle()`` when it is readable; each request is answered before
-    ``handle()`` returns. Ops in ``quiet`` (reads anyone may flood) are logged
-    at DEBUG, the others at INFO with their sender."""
+    ``handle()`` returns, but one whose handler returns a ``Later``: that one
+    is answered by ``settle()``, which the loop calls once ``wake`` woke it.
+    Ops in ``quiet`` (reads anyone may flood) are logged at DEBUG, the others
+    at INFO with their sender."""
 
     def __init__(self, run_dir: str, handler: Handler, *, group: str = GROUP,
                  quiet: frozenset[str] = frozenset(),
