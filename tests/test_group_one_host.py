@@ -11,6 +11,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 from conftest import Workspace, finish, free_port, wait_for
 from test_gpu_e2e import XID79_GPU1
 from test_torchrun import DDP
@@ -111,3 +112,22 @@ def test_rounds_that_die_loading_a_corrupt_checkpoint_mark_it_bad_and_resume_bef
             or "checkpoint step 40 marked bad" in out), out[-3000:]
     resumed = [i["resumed_step"] for i in ws.incidents()]
     assert resumed[-1] == 20, (resumed, out[-3000:])
+
+
+def test_a_round_waiting_for_its_evidence_is_looked_at_again_within_a_twentieth_of_a_second(
+        tmp_path: Path) -> None:
+    """The workers of a hung round are kept until their stacks are taken (tens of ms),
+    then killed, and only then does the agent restart them: the loop must look again
+    soon, not at the job's next whole second (up to 1 s more of every hang's recovery)."""
+    from trainwatch.evidence.capture import Capture
+    from trainwatch.multihost import rounds
+    from trainwatch.multihost.group import Group
+
+    g = Group(str(tmp_path), "h")
+    assert rounds.wake(g, 100.0) is None  # nothing pending: the job's own grid
+    cap = Capture(tmp_path / "ev", [], None, timeout=5.0)
+    g.pending = rounds.Pending(cap, None, 1, "hang", 99.0, 105.0, peers=False)
+    assert rounds.wake(g, 100.3) == pytest.approx(100.35)  # while the capture runs
+    cap.start()
+    assert cap.wait(30)
+    assert rounds.wake(g, 100.4) == pytest.approx(100.45)  # done: begun at the next look

@@ -49,7 +49,8 @@ def base_env(system: str) -> dict[str, str]:
 
 TRAINWATCH_SETTINGS = """trainwatch: `trainwatch run`, the daemon's loop in the foreground; \
 the trainer reports beats and checkpoints through trainwatch.client. heartbeat.learned \
-{factor 5, floor 2s} (the hang timeout learned from the step time), required (the job beats: \
+{factor 5, floor 1s} (the hang timeout learned from the step time; 1 s, 10 steps, is the \
+drill's own detection floor for a hang), required (the job beats: \
 silence from its start counts), startup_timeout 60s (a rank that never beats); the stall \
 timeout its default (3 x p99 step, 5-30 s); backoff {initial 0.5s, factor 2, max 8s, \
 reset_after 60s} (the default 10 s x 2^n is for crash loops of long jobs); rollback \
@@ -65,7 +66,7 @@ def trainwatch(d: Path, ranks: int, rest: list[str]) -> Launch:
     cmd = torchrun_argv(ranks, rest) if ranks > 1 else [sys.executable, *rest]
     job = {"name": "drill", "command": cmd,
            "checkpoints": {"dir": str(ckpt), "pattern": "step_{step}", "marker": "done"},
-           "heartbeat": {"learned": {"factor": 5, "floor": "2s"}, "required": True,
+           "heartbeat": {"learned": {"factor": 5, "floor": "1s"}, "required": True,
                          "startup_timeout": "60s"},
            "gpus": {"devices": list(range(ranks + 1)), "min": ranks},
            # torchrun's agent restarts its workers in place (its rendezvous), trainwatch

@@ -342,7 +342,7 @@ class JobRunner:
         if self.state is JobState.STARTING:
             wake = min(wake, self.ranks.started + live.RUNNING_WITHOUT_BEATS)
         if self.state in (JobState.STARTING, JobState.RUNNING):
-            times = [stallwatch.deadline(self, now),
+            times = [stallwatch.deadline(self, now), group.wake(self, now),
                      None if self.hang_latched else detector_deadline(self.view(now))]
             wake = min([wake, *(t for t in times if t is not None)])
         return wake

@@ -187,6 +187,11 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
     return False
 
 
+def wake(r: Runner, now: float) -> float | None:
+    """The loop's next look at this host's part of a restart, when one is under way."""
+    return None if r.group is None else rounds.wake(r.group, now)
+
+
 def held(r: Runner, fault: Fault, now: float) -> bool:
     """A hang or stall in which no rank of this host is stopped: its ranks wait
     in a collective for another host's, whose daemon names it (multinode: the

@@ -23,6 +23,9 @@ from trainwatch.state.ledger import Relaunch
 from trainwatch.types import JobState
 
 _LOOK_EVERY = 0.25  # seconds between two looks for the other hosts' stacks
+# While the evidence is taken, look this often whether it is done: the workers are
+# killed (and the agent restarts them) only then, and the job's own grid is 1 s.
+_EVIDENCE_POLL = 0.05
 
 if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
@@ -87,6 +90,11 @@ def _peers_missing(r: Runner, g: Group, p: Pending, now: float) -> bool:
     rec = records.parse(records.call(r, records.newest_in_hand, g.root, g.gen - 1))
     have = {h for h, _ in rec.stacks} if rec is not None and rec.gen == g.gen else set()
     return len(have | {g.host}) < least
+
+
+def wake(g: Group, now: float) -> float | None:
+    """When the loop must look again at a round waiting for its evidence."""
+    return None if g.pending is None else now + _EVIDENCE_POLL
 
 
 def after_evidence(r: Runner, g: Group, a: Attempt, now: float) -> bool:
