@@ -114,20 +114,34 @@ def test_rounds_that_die_loading_a_corrupt_checkpoint_mark_it_bad_and_resume_bef
     assert resumed[-1] == 20, (resumed, out[-3000:])
 
 
+
 def test_a_round_waiting_for_its_evidence_is_looked_at_again_within_a_twentieth_of_a_second(
-        tmp_path: Path) -> None:
+        ws: Workspace) -> None:
     """The workers of a hung round are kept until their stacks are taken (tens of ms),
     then killed, and only then does the agent restart them: the loop must look again
     soon, not at the job's next whole second (up to 1 s more of every hang's recovery)."""
-    from trainwatch.evidence.capture import Capture
-    from trainwatch.multihost import rounds
-    from trainwatch.multihost.group import Group
+    import selectors
 
-    g = Group(str(tmp_path), "h")
-    assert rounds.wake(g, 100.0) is None  # nothing pending: the job's own grid
-    cap = Capture(tmp_path / "ev", [], None, timeout=5.0)
-    g.pending = rounds.Pending(cap, None, 1, "hang", 99.0, 105.0, peers=False)
-    assert rounds.wake(g, 100.3) == pytest.approx(100.35)  # while the capture runs
-    cap.start()
-    assert cap.wait(30)
-    assert rounds.wake(g, 100.4) == pytest.approx(100.45)  # done: begun at the next look
+    from trainwatch.config import load
+    from trainwatch.evidence.capture import Capture
+    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.multihost import rounds
+    from trainwatch.state.ledger import Ledger
+    from trainwatch.types import JobState
+
+    cfg = load(ws.config({"command": _command(ws), "nodes": 1,
+                          "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}}))
+    now = 100.5
+    r = JobRunner(cfg, cfg.jobs[0], Ledger(ws.state), selectors.DefaultSelector(),
+                  clock=lambda: now)
+    try:
+        r.state = JobState.RUNNING
+        assert r.group is not None and r.next_wake(now) == 101.0  # the job's own grid
+        cap = Capture(ws.root / "ev", [], None, timeout=5.0)
+        r.group.pending = rounds.Pending(cap, None, 1, "hang", now, now + 5.0, peers=False)
+        assert r.next_wake(now) == pytest.approx(now + 0.05)  # while the capture runs
+        cap.start()
+        assert cap.wait(30)
+        assert r.next_wake(now) == pytest.approx(now + 0.05)  # done: begun at the next look
+    finally:
+        r.intake.close()
