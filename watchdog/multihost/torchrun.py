@@ -11,7 +11,9 @@ torchrun's rendezvous restarts the group. What trainwatch settles first:
   budget, not torchrun's, must end a job.
 - ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` unless the job's environment sets it:
   with the shared store, a fresh agent joining a running group deadlocked
-  (§1.3, E-3) and only recovered with it (E-3c, 4.6 s).
+  (§1.3, E-3) and only recovered with it (E-3c, 4.6 s). On one host as well: the
+  workers restarted in place after a stalled rank was ended failed to start for
+  137 s with the shared store (the goodput drill, docs/figures.md).
 - ``TRAINWATCH_HOST``: this host's name, as its incidents and group records say it.
 
 Pure functions of the command: torch is not imported (the daemon's Python need
