@@ -37,8 +37,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainwatch.privsep.hand import HandError
-
+# Stdlib only at import: every rank of a group job imports this module as it starts
+# (client.resume_from), while the new round waits for it; the hands' module pulls in
+# the config and YAML (~0.14 s of a rank's start), and only the daemon needs it (call).
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
 
@@ -213,6 +214,8 @@ def decision_after(base: str, after: int) -> dict[str, Any] | None:
 
 def call(r: Runner, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in the job's quick hand, as its user; None (said) when it fails."""
+    from trainwatch.privsep.hand import HandError  # the daemon's side only: see above
+
     try:
         return r.hands.quick.call(fn, *args, timeout=TIMEOUT)
     except HandError as e:
