@@ -9,7 +9,8 @@ loop's one selector): an event on one of them marks that job for this round.
 What reaches a job by another path (an operator's command, a GPU fault, a
 stop, a reload) marks it with ``poke`` or ``poke_all``. A job's next wake is
 asked after each of its ticks, so a job not ticked keeps the one it had; every
-job still ticks at least once a second (its ``next_wake`` is never later)."""
+job still ticks at least once per grid step (job.py: its ``next_wake`` is never
+later)."""
 
 from __future__ import annotations
 

@@ -62,10 +62,21 @@ from trainwatch.watch.logwatch import LogWatch
 
 log = logging.getLogger("trainwatch")
 
+# The grid every job ticks on, its rings read on the same (one wake-up serves
+# them all). A tick reads the rings, publishes the step and runs the watchers;
+# what waits for it is freshness (steps/s, the statistics, status.json's step)
+# and a log rule's match, never an exit, a hang or stall deadline, a NaN or a GPU
+# fault: those wake the loop themselves. Every 2 s: at 1 s, 4 jobs x 8 ranks cost
+# the daemon 0.06 points of a core more (docs/figures.md). A job whose output is
+# copied through to our stdout (trainwatch run) ticks every second, so that the
+# copy keeps up.
+_GRID = 2.0
+_GRID_PASSTHROUGH = 1.0
 # The published status carries the step at most this often (each rewrite is an
-# atomic replace, ~0.4 ms on ext4): faultinject and scripts wait on it, and 5 s
-# made them act after a short job had ended.
-_PUBLISH_EVERY = 1.0
+# atomic replace, ~0.1-0.4 ms on ext4), so at each grid tick and not at the ticks
+# for events between them: faultinject and scripts wait on it, and 5 s made them
+# act after a short job had ended.
+_PUBLISH_EVERY = 1.5
 # The checkpoint summary the exporter shows is refreshed this often.
 _CATALOG_EVERY = 10.0
 # While stopping, look at the tree this often.
@@ -99,6 +110,7 @@ class JobRunner:
         self.ledger = ledger
         self.sel = selector
         self.passthrough = passthrough
+        self.grid = _GRID_PASSTHROUGH if passthrough else _GRID
         self.clock = clock
         self.rng = rng or random.Random()
         self.dir = status.job_dir(config.state_dir, job.name)
@@ -144,7 +156,7 @@ class JobRunner:
         self.intake = Intake(job.name, self.socket_path, selector, self._believe, clock,
                              (ident.uid, ident.gid) if ident else None,
                              self._on_beats, self._on_report,
-                             max_rings=2 * job.heartbeat.max_ranks)
+                             max_rings=2 * job.heartbeat.max_ranks, poll_every=self.grid)
         self.socket = self.intake.socket
         self.first_failure = FirstFailure(selector, clock, 2 * job.heartbeat.max_ranks)
         # For the exporter: the catalog's summary, and the time faults cost.
@@ -333,9 +345,8 @@ class JobRunner:
             return now + _STOP_POLL
         if self.state is JobState.BACKOFF:
             return self.relaunch_at
-        # Once a second, on a grid every job and the ring poll share: one wake-up
-        # serves them all.
-        wake = math.floor(now) + 1.0
+        # On the grid every job and the ring poll share: one wake-up serves them all.
+        wake = (math.floor(now / self.grid) + 1) * self.grid
         a = self.attempt
         if a is not None and a.pidfd is None:
             wake = now + _EXIT_POLL
@@ -343,6 +354,7 @@ class JobRunner:
             wake = min(wake, self.ranks.started + live.RUNNING_WITHOUT_BEATS)
         if self.state in (JobState.STARTING, JobState.RUNNING):
             times = [stallwatch.deadline(self, now), group.wake(self, now),
+                     self.first_failure.next_scan(),
                      None if self.hang_latched else detector_deadline(self.view(now))]
             wake = min([wake, *(t for t in times if t is not None)])
         return wake

@@ -58,6 +58,13 @@ class FirstFailure:
         self.scan_every, self.scan_at, self.pending = _FIRST_SCAN, started + _FIRST_SCAN, False
         self.eager_until = started + _EAGER_FOR
 
+    def next_scan(self) -> float | None:
+        """The next look, while it must not wait for the loop's grid: every second in
+        the attempt's first minute until a rank is found."""
+        if self.exits.watched or self.scan_at >= self.eager_until:
+            return None
+        return self.scan_at
+
     def tick(self, r: Runner, now: float) -> None:
         """Watch the attempt's rank processes found since the last tick."""
         a = r.attempt

@@ -4,9 +4,10 @@ them, and what each message is handed to.
 Two ways in. A client with ``TRAINWATCH_RING_DIR`` writes every step into a
 ring of its own (sources/ring.py: shared memory, no syscall, no wake-up per
 beat) and sends a datagram only for its first beat and for a non-finite
-value; the rings of all jobs are read together every ``RING_POLL`` seconds,
-and before any judgement (an exit, a hang deadline). A client without rings
-sends every beat as a datagram (sources/beatpoll.py decides when to read).
+value; the rings of all jobs are read together on the loop's grid (every
+``poll_every`` seconds: the runner's), and before any judgement (an exit, a
+hang deadline). A client without rings sends every beat as a datagram
+(sources/beatpoll.py decides when to read).
 
 Only the job's tree is believed: the runner's ``believe(pid, uid)`` judges
 every datagram's sender, and a ring is read only when the pid in its name and
@@ -34,10 +35,11 @@ log = logging.getLogger("trainwatch")
 # they are refused again at each scan, which ring.scan bounds.
 _REFUSED_MAX = 4096
 
-# Seconds between two reads of the rings (every job's in one round). A non-finite
-# value comes at once as a datagram and a judgement reads the rings first, so
-# this bounds only how stale steps/s and the statistics may be.
-RING_POLL = 1.0
+# Seconds between two reads of the rings (every job's in one round, on the grid its
+# runner ticks on: lifecycle/job.py). A non-finite value comes at once as a
+# datagram and a judgement reads the rings first, so this bounds only how stale
+# steps/s and the statistics may be.
+RING_POLL = 2.0
 # Records read from one job's rings per RING_POLL, in all (16 of the client's
 # 4,096-slot rings, full): rings are the job's files, and a thousand of them,
 # kept full, must cost the loop a bounded time. Rings left for lack of budget are
@@ -54,8 +56,9 @@ class Intake:
                  owner: tuple[int, int] | None,
                  on_beats: Callable[[Sequence[Beat]], None],
                  on_report: Callable[[CheckpointReport], None],
-                 max_rings: int = 1024) -> None:
+                 max_rings: int = 1024, poll_every: float = RING_POLL) -> None:
         self.job, self.path = job, path
+        self.poll_every = poll_every
         self.on_beats, self.on_report = on_beats, on_report
         self.believe, self.clock = believe, clock
         # Rings carry the writer's CLOCK_MONOTONIC, which is ours unless a test
@@ -155,7 +158,7 @@ class Intake:
         n = 0
         writer_clock = self._writer_clock
         if now >= self._budget_until:
-            self._budget, self._budget_until = RING_BUDGET, now + RING_POLL
+            self._budget, self._budget_until = RING_BUDGET, now + self.poll_every
         readers = list(self.readers.values())  # a beat may end the attempt (and clear them)
         first = self._turn % len(readers) if readers else 0
         for k, rd in enumerate(readers[first:] + readers[:first]):
@@ -237,7 +240,8 @@ class Intake:
         self.poller.tick(now)
         if self.ring_dir is not None and now >= self._ring_poll_at:
             # On a grid shared by every job: one wake-up reads them all.
-            self._ring_poll_at = (math.floor(now / RING_POLL) + 1) * RING_POLL
+            every = self.poll_every
+            self._ring_poll_at = (math.floor(now / every) + 1) * every
             # The socket first: a checkpoint report sent before a step the rings
             # hold must be known before that step is judged (a rollback decided on a
             # ring's NaN resumed from 13, the reports of 14-18 still queued).
