@@ -59,7 +59,8 @@ import struct
 import sys
 import threading
 import time
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 __all__ = [
     "ENV",
@@ -289,12 +290,20 @@ class RingWriter:
 
 
 class Record(NamedTuple):
+    """One beat as its writer put it (in trainwatch.types.Beat's order: the daemon
+    reads its rings straight into Beats, ``read_as``)."""
+
     rank: int
-    pid: int
     step: int
     t: float  # the writer's time.monotonic() when it wrote the beat
+    pid: int
     loss: float | None
     grad_norm: float | None
+
+
+_T = TypeVar("_T")
+# What a read makes of each record: (rank, step, time, pid, loss, grad_norm).
+Make = Callable[[int, int, float, int, "float | None", "float | None"], _T]
 
 
 class RingError(ValueError):
@@ -362,10 +371,16 @@ class RingReader:
         the newest ``limit`` of them (the rest counted as lapped): the file and its
         header are the writer's, and a ring of 2^20 slots, kept full, would
         otherwise cost the daemon a second of its loop at every read."""
+        return self.read_as(Record, limit)
+
+    def read_as(self, make: Make[_T], limit: int = SLOTS,
+                now: float = float("inf")) -> list[_T]:
+        """``read``, each record made by ``make`` (no second tuple per beat), its
+        time never later than ``now``: the writer's word only."""
         if self._fd < 0:
             return []
         try:
-            return self._read(max(1, limit))
+            return self._read(make, max(1, limit), now)
         except (OSError, ValueError, struct.error):
             self.bad += 1
             return []
@@ -405,7 +420,7 @@ class RingReader:
         safe_from = after - slots + 1
         return start, head, data, safe_from
 
-    def _read(self, limit: int) -> list[Record]:
+    def _read(self, make: Make[_T], limit: int, now: float) -> list[_T]:
         snap = self._snapshot(limit)
         if snap is None:  # a head below the last, or a newest record not complete:
             snap = self._snapshot(limit)  # a read that raced the writer; once more
@@ -416,7 +431,7 @@ class RingReader:
         last = self._last
         self.lapped += start - last
         self._last = head
-        out: list[Record] = []
+        out: list[_T] = []
         rank, pid = self.rank, self.pid
         j = start
         for step, t, loss, gn, seq in _SLOT.iter_unpack(data):  # the hot path: 1 read a second
@@ -439,7 +454,7 @@ class RingReader:
                     loss = None
                 if gn != gn and data[off + 24:off + 32] == _MISSING_RAW:
                     gn = None
-            out.append(Record(rank, pid, step, t, loss, gn))
+            out.append(make(rank, step, t if t < now else now, pid, loss, gn))
         return out
 
     def close(self) -> None:
