@@ -25,7 +25,7 @@ from trainwatch.host.access import Peer
 from trainwatch.host.agenda import Agenda
 from trainwatch.host.control import ControlSocket, Later
 from trainwatch.host.jobcheck import check_command
-from trainwatch.lifecycle.job import JobRunner
+from trainwatch.lifecycle.job import GRID, JobRunner
 from trainwatch.sources.heartbeat import SocketInUse
 from trainwatch.state import joblock, ownership
 from trainwatch.state.ledger import Ledger
@@ -41,6 +41,10 @@ _REAP_EVERY = 5.0
 
 
 class Supervisor:
+    # Seconds between a beating job's ticks (lifecycle/job.py GRID): one job, watched
+    # from a terminal or a batch script, gets its statistics every second.
+    grid = GRID
+
     def __init__(
         self,
         config: Config,
@@ -145,7 +149,7 @@ class Supervisor:
         return self.agenda.add(JobRunner(
             config, j, self.ledger, self.agenda.selector(), self.passthrough, self.clock,
             gpus=self.gpus, events=self.exporter.events,
-            die_with_parent=self.die_with_parent, umask=self.job_umask))
+            die_with_parent=self.die_with_parent, umask=self.job_umask, grid=self.grid))
 
     def add_runner(self, config: Config, j: Job) -> JobRunner:
         """A job added by a reload: its lock and socket, then its runner."""

@@ -62,21 +62,18 @@ from trainwatch.watch.logwatch import LogWatch
 
 log = logging.getLogger("trainwatch")
 
-# The grid every job ticks on, its rings read on the same (one wake-up serves
-# them all). A tick reads the rings, publishes the step and runs the watchers;
-# what waits for it is freshness (steps/s, the statistics, status.json's step)
-# and a log rule's match, never an exit, a hang or stall deadline, a NaN or a GPU
-# fault: those wake the loop themselves. Every 2 s: at 1 s, 4 jobs x 8 ranks cost
-# the daemon 0.06 points of a core more (docs/figures.md). A job whose output is
-# copied through to our stdout (trainwatch run) ticks every second, so that the
-# copy keeps up.
-_GRID = 2.0
-_GRID_PASSTHROUGH = 1.0
-# The published status carries the step at most this often (each rewrite is an
-# atomic replace, ~0.1-0.4 ms on ext4), so at each grid tick and not at the ticks
-# for events between them: faultinject and scripts wait on it, and 5 s made them
-# act after a short job had ended.
-_PUBLISH_EVERY = 1.5
+# The grid a job ticks on (the supervisor's ``grid``: 1 s, 2 s under the daemon),
+# its rings read on the same (one wake-up serves every job). A tick reads the
+# rings, publishes the step and runs the watchers; what waits for it is
+# freshness (steps/s, status.json's step), a log rule's match and the loss
+# statistics (a spike acted on up to a grid step later), never an exit, a hang
+# or stall deadline, a NaN or a GPU fault: those wake the loop themselves.
+GRID = 1.0
+# The published status carries the step at most this often, times the grid (each
+# rewrite is an atomic replace, ~0.1-0.4 ms on ext4), so at each grid tick and not
+# at the ticks for events between them: faultinject and scripts wait on it, and 5 s
+# made them act after a short job had ended.
+_PUBLISH_EVERY = 0.75
 # The checkpoint summary the exporter shows is refreshed this often.
 _CATALOG_EVERY = 10.0
 # While stopping, look at the tree this often.
@@ -99,6 +96,7 @@ class JobRunner:
         events: Events | None = None,
         die_with_parent: bool = False,
         umask: int = -1,
+        grid: float = GRID,
     ) -> None:
         self.config = config
         self.events = events if events is not None else Events(None)
@@ -110,7 +108,7 @@ class JobRunner:
         self.ledger = ledger
         self.sel = selector
         self.passthrough = passthrough
-        self.grid = _GRID_PASSTHROUGH if passthrough else _GRID
+        self.grid = grid
         self.clock = clock
         self.rng = rng or random.Random()
         self.dir = status.job_dir(config.state_dir, job.name)
@@ -325,7 +323,8 @@ class JobRunner:
         running = self.state in (JobState.STARTING, JobState.RUNNING)
         if running and a is not None and a.pidfd is None and self.exit_handled != a.number:
             exits.check(self)
-        if self.last_step != self.published_step and now - self.published_at >= _PUBLISH_EVERY:
+        if self.last_step != self.published_step \
+                and now - self.published_at >= _PUBLISH_EVERY * self.grid:
             self.publish()
         if self.state in (JobState.STARTING, JobState.RUNNING) and a is not None:
             live.check(self, a, now)
