@@ -61,15 +61,19 @@ class Ranks:
             self.ranks[b.rank] = r = _Rank(b.at, b.step, b.pid, advanced_at=b.at)
             r.values(b)
             return True
-        if b.step > r.step:
+        step, at = b.step, b.at
+        if step > r.step:
             # Seconds per step, so that a client beating every k steps still
             # teaches a comparable interval.
-            self.intervals.append((b.at - r.last_beat) / (b.step - r.step))
+            self.intervals.append((at - r.last_beat) / (step - r.step))
             self._since_p99 += 1
-            r.advanced_at = b.at
+            r.advanced_at = at
         new_pid = r.pid != b.pid
-        r.last_beat, r.step, r.pid = b.at, b.step, b.pid
-        r.values(b)
+        r.last_beat, r.step, r.pid = at, step, b.pid
+        if b.loss is not None:  # _Rank.values, inline: every beat of every rank comes here
+            r.loss, r.loss_step = b.loss, step
+        if b.grad_norm is not None:
+            r.grad_norm, r.grad_norm_step = b.grad_norm, step
         r.beats += 1
         return new_pid
 

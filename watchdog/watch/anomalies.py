@@ -44,16 +44,19 @@ class LossFeed:
     def observe(self, beats: Sequence[Beat]) -> list[tuple[Anomaly, Beat]]:
         found: list[tuple[Anomaly, Beat]] = []
         for b in beats:
-            if b.loss is None and b.grad_norm is None:
+            loss, grad = b.loss, b.grad_norm
+            if loss is None and grad is None:
                 continue
             if self.lead is None:
                 self.lead = b.rank
             if b.rank == self.lead:
-                self.last = (b.loss, b.grad_norm)
-                self.series.append((b.step, b.loss, b.grad_norm))
-                found += [(an, b) for an in self.watch.observe(b.step, b.loss, b.grad_norm)]
-            elif _finite(b.loss) and _finite(b.grad_norm):
-                self._in_nan.discard(b.rank)
+                self.last = (loss, grad)
+                self.series.append((b.step, loss, grad))
+                found += [(an, b) for an in self.watch.observe(b.step, loss, grad)]
+            elif (loss is None or loss - loss == 0) and (grad is None or grad - grad == 0):
+                # Both finite or not given (_finite, inline: x - x is NaN for NaN and inf).
+                if self._in_nan:
+                    self._in_nan.discard(b.rank)
             elif self.settings.nan_loss and b.rank not in self._in_nan:
                 self._in_nan.add(b.rank)  # one nan_loss per run of them, as for the lead
                 bad = b.loss if not _finite(b.loss) else b.grad_norm
