@@ -57,7 +57,7 @@ from trainwatch.watch import anomalies, exits, live, refusals, stallwatch
 from trainwatch.watch.anomalies import LossFeed
 from trainwatch.watch.firstfailure import FirstFailure
 from trainwatch.watch.gpuwatch import GpuWatch
-from trainwatch.watch.intake import Intake
+from trainwatch.watch.intake import RING_POLL, Intake
 from trainwatch.watch.logwatch import LogWatch
 
 log = logging.getLogger("trainwatch")
@@ -68,7 +68,7 @@ log = logging.getLogger("trainwatch")
 # freshness (steps/s, status.json's step), a log rule's match and the loss
 # statistics (a spike acted on up to a grid step later), never an exit, a hang
 # or stall deadline, a NaN or a GPU fault: those wake the loop themselves.
-GRID = 1.0
+GRID = RING_POLL
 # The published status carries the step at most this often, times the grid (each
 # rewrite is an atomic replace, ~0.1-0.4 ms on ext4), so at each grid tick and not
 # at the ticks for events between them: faultinject and scripts wait on it, and 5 s

@@ -35,12 +35,12 @@ log = logging.getLogger("trainwatch")
 # they are refused again at each scan, which ring.scan bounds.
 _REFUSED_MAX = 4096
 
-# Seconds between two reads of the rings (every job's in one round, on the grid its
-# runner ticks on: lifecycle/job.py). A non-finite value comes at once as a
-# datagram and a judgement reads the rings first, so this bounds only how stale
-# steps/s and the statistics may be.
-RING_POLL = 2.0
-# Records read from one job's rings per RING_POLL, in all (16 of the client's
+# Seconds between two reads of the rings (every job's in one round), unless the
+# runner gives its own grid (lifecycle/job.py: 2 s under the daemon). A non-finite
+# value comes at once as a datagram and a judgement reads the rings first, so
+# this bounds only how stale steps/s and the statistics may be.
+RING_POLL = 1.0
+# Records read from one job's rings per poll, in all (16 of the client's
 # 4,096-slot rings, full): rings are the job's files, and a thousand of them,
 # kept full, must cost the loop a bounded time. Rings left for lack of budget are
 # read first at the next turn (what their writers overwrite meanwhile is lapped).
