@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import psutil
 from trainwatch.actions import rollback
+from trainwatch.actions.tree import start_time
 from trainwatch.multihost import records, stackshare
 from trainwatch.sources.rankexits import rank_processes
 from trainwatch.sources.ranks import Ranks
@@ -113,14 +113,22 @@ def after_evidence(r: Runner, g: Group, a: Attempt, now: float) -> bool:
     return True
 
 
+_HZ = os.sysconf("SC_CLK_TCK")
+
+
 def _older(pids: set[int], than: float) -> set[int]:
     """Those of ``pids`` started before ``than`` (wall time): not the workers the
-    agent started since, for the new round."""
+    agent started since, for the new round. Compared on the boot clock their start
+    is kept on (/proc starttime, in ticks): psutil's create_time() adds the boot's
+    epoch time, which /proc/stat truncates to the second, so it reads up to 1 s
+    early, and a worker the agent had just started (a decision slower than its
+    restart) was taken for an old one and killed, costing the group a round."""
+    boot = than - (time.time() - time.clock_gettime(time.CLOCK_BOOTTIME))
     out = set()
     for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).create_time() <= than:
-                out.add(pid)
+        started = start_time(pid)
+        if started is not None and started / _HZ <= boot:
+            out.add(pid)
     return out
 
 
@@ -135,7 +143,7 @@ def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int 
     workers = set(r.ranks.pids().values())
     workers |= set(rank_processes(a.tree.scan(), r.stall.sampler.rank_of, r.ranks.pids()))
     workers.discard(a.pid)
-    workers = _older(workers, onset + 0.05)  # start times are kept in clock ticks
+    workers = _older(workers, onset + 0.05)  # start times are kept in ticks of 10 ms
     g.before, g.held_since = workers, None
     a.tree.signal_each(signal.SIGCONT, workers)
     a.tree.signal_each(signal.SIGKILL, workers)
