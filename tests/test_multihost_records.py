@@ -98,7 +98,7 @@ def test_a_victims_earlier_claim_does_not_name_where_a_restart_began(tmp_path: P
 
 def test_a_rank_that_says_its_peer_failed_is_blamed_on_the_peer(tmp_path: Path) -> None:
     """gloo's and NCCL's lines of a rank whose peer died, in this round's output only."""
-    from trainwatch.multihost import group
+    from trainwatch.multihost import victim
 
     log = tmp_path / "attempt.log"
     old = "[rank1]: RuntimeError: Connection closed by peer [127.0.0.1]:1 (an earlier round)\n"
@@ -107,11 +107,11 @@ def test_a_rank_that_says_its_peer_failed_is_blamed_on_the_peer(tmp_path: Path) 
                    "worker crashing.\n[rank2]: torch.distributed.DistBackendError: "
                    "ncclRemoteError: A call failed possibly due to a network error or a "
                    "remote process exiting prematurely.\n")
-    assert "remote worker crashing" in (group.peer_blamed(log, len(old), 1) or "")
-    assert "ncclRemoteError" in (group.peer_blamed(log, len(old), 2) or "")
-    assert group.peer_blamed(log, len(old), 0) is None  # its own line says no such thing
-    assert group.peer_blamed(log, log.stat().st_size, 1) is None  # before this round
-    assert group.peer_blamed(tmp_path / "gone.log", 0, 1) is None
+    assert "remote worker crashing" in (victim.peer_blamed(log, len(old), 1) or "")
+    assert "ncclRemoteError" in (victim.peer_blamed(log, len(old), 2) or "")
+    assert victim.peer_blamed(log, len(old), 0) is None  # its own line says no such thing
+    assert victim.peer_blamed(log, log.stat().st_size, 1) is None  # before this round
+    assert victim.peer_blamed(tmp_path / "gone.log", 0, 1) is None
 
 
 # --- scopes (a Slurm job's records: .trainwatch/slurm-<job id>/) ---

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import verify
 from trainwatch.actions.tree import stopped_ranks
-from trainwatch.multihost import records, rounds, stackshare
+from trainwatch.multihost import decision, records, rounds, stackshare, victim
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
@@ -44,7 +41,6 @@ UNKNOWN_GRACE = 2.0  # a rank's exit of unknown status, while its agent lives: a
 # host whose rank is (its ranks wait for it in a collective) to restart the group.
 HOLD = 5.0
 ABSORB = 2  # failures before the first beat after a restart taken as part of it
-_VERIFY_WITHIN = 0.25  # seconds the loop waits on a checkpoint's check before deciding
 
 
 @dataclass
@@ -61,6 +57,7 @@ class Group:
     absorbed: int = 0  # failures taken as part of the last restart (before a beat)
     log_from: int = 0  # where this round's output begins in the attempt's log
     pending: rounds.Pending | None = None  # our workers, kept for the fault's evidence
+    waiting: decision.Waiting | None = None  # a restart waiting for the job's hand
     settle: tuple[int, int, str | None, float] | None = None  # restart, incident, began, when
     out: Out | None = None  # this host left the group: its pre-flight (leave.py)
     joining: Joining | None = None  # a peer's join, followed: its admission is due
@@ -94,6 +91,7 @@ def job_for_attempt(r: Runner, job: Job) -> Job:
     if r.group is not None:
         r.group.log_from = 0  # a new attempt's log
         r.group.rounds = 0
+        r.group.waiting = None  # a new agent: its launch judged its checkpoints
     extra = env(r)
     return dataclasses.replace(job, env={**job.env, **extra}) if extra else job
 
@@ -113,31 +111,6 @@ def of_rounds_before(r: Runner, pid: int) -> bool:
     return r.group is not None and pid in r.group.before
 
 
-# What a rank prints when it fails because another one did (gloo's pair.cc; NCCL's
-# ncclRemoteError and its socket): prior-art/stalls-and-log-lines.md.
-PEER_FAILURE = ("Connection closed by peer", "remote worker crashing",
-                "Connection reset by peer", "Connection closed by remote peer",
-                "remote process exiting", "ncclRemoteError")
-_BLAME_BYTES = 64 * 1024
-
-
-def peer_blamed(log_path: Path, start: int, rank: int) -> str | None:
-    """The line of this round's output (from ``start``) in which ``rank`` says it
-    failed because a peer did (torch prefixes a rank's lines with ``[rankN]:``)."""
-    try:
-        with open(log_path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(max(start, size - _BLAME_BYTES))
-            data = f.read(_BLAME_BYTES)
-    except OSError:
-        return None
-    head = f"[rank{rank}]:"
-    for line in data.decode(errors="replace").splitlines():
-        if line.startswith(head) and any(m in line for m in PEER_FAILURE):
-            return line[:300]
-    return None
-
-
 def _leader_alive(a: Attempt) -> bool:
     return a.returncode is None and not a.closed
 
@@ -150,6 +123,11 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
     if g is None:
         return False
     _baseline(r, g)
+    if g.waiting is not None:
+        if now >= g.waiting.retry_at:
+            w = g.waiting
+            act(r, w.fault, w.incident, w.reason, w.charged, w.capture, waiting=w)
+        return True
     if g.pending is not None:
         return rounds.after_evidence(r, g, a, now)
     if r.ranks.beaten:
@@ -168,7 +146,7 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
             return False
         first = r.first_failure.exits.first_failure() or failed[0]
         ev: dict[str, object] = {"rank_exit": first.evidence()}
-        blamed = peer_blamed(a.log_path, g.log_from, first.rank)
+        blamed = victim.peer_blamed(a.log_path, g.log_from, first.rank)
         if blamed is not None:  # a victim of another host's rank: not where it began
             ev["peer_failure"] = blamed
         fault = Fault(FaultKind.CRASH, r.job.name, first.at, ev,
@@ -189,6 +167,8 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
 
 def wake(r: Runner, now: float) -> float | None:
     """The loop's next look at this host's part of a restart, when one is under way."""
+    if r.group is not None and r.group.waiting is not None:
+        return r.group.waiting.retry_at
     return None if r.group is None else rounds.wake(r.group, now)
 
 
@@ -212,31 +192,40 @@ def held(r: Runner, fault: Fault, now: float) -> bool:
 
 
 def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: bool,
-        capture: Capture | None = None, keep_agent: bool = True) -> bool:
+        capture: Capture | None = None, keep_agent: bool = True,
+        waiting: decision.Waiting | None = None) -> bool:
     """This host acts on ``fault`` (a restart or rollback, decided; ``charged``:
     it spent one of the budget): the group restarts. True when done here (the
     agent lives: its workers end and it restarts them); False when the agent is
     gone, or must go (``keep_agent`` False: its workers' GPUs change, and only a
     new agent gets new ones), and is relaunched as usual. A restart another host
-    made first is charged here as that host charged it: once, or not at all."""
+    made first is charged here as that host charged it: once, or not at all.
+    ``waiting``: decided again, the job's hand not having answered before
+    (decision.py); the workers are kept until it does."""
     g, a = r.group, r.attempt
     if g is None or a is None:
         return False
     _baseline(r, g)
     wall = time.time()
     onset = wall - max(0.0, r.clock() - fault.onset)
-    if g.gen > (g.base or 0) and not r.ranks.beaten and g.absorbed < ABSORB:
+    if waiting is None and g.gen > (g.base or 0) and not r.ranks.beaten \
+            and g.absorbed < ABSORB:
         return _part_of_last(r, g, a, fault, incident, charged, onset)
-    # After a rollback's quarantine: before the anomaly. Verified when its check is
-    # quick: else a corrupt one is every round's decision until its deaths mark it bad.
-    cp = verify.checkpoint_now(r, _VERIFY_WITHIN)
-    decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
-                "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
-                "at": wall, "charged": charged}
-    claim = {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident,
-             "victim": "peer_failure" in fault.evidence}
-    raw = records.call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
-    rec = records.parse(raw)
+    g.waiting = None
+    kept = keep_agent and _leader_alive(a)
+    made = decision.make(r, g, fault, incident, charged, wall, onset)
+    if isinstance(made, str):
+        if kept:  # else the relaunch waits for its checkpoints itself (actions/launch.py)
+            now = r.clock()
+            decision.wait(r, g, decision.Waiting(
+                fault, incident, reason, charged, capture,
+                waiting.since if waiting is not None else now, now + decision.RETRY, made),
+                waiting is not None)
+            return True
+        made = decision.Made(None, False)
+    rec, won = made.rec, made.won
+    if waiting is not None:
+        onset = decision.waited(r, waiting, rec)
     if rec is None:
         log.error("job %s: group restart %d not recorded in %s: the other hosts' ranks "
                   "resume from what they judge themselves", r.job.name, g.gen + 1,
@@ -244,14 +233,13 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
         g.gen += 1
     else:
         g.gen = rec.gen
-        won = isinstance(raw, dict) and raw.get("won") is True
         if charged and not rec.charged and r.history.restarts:
             r.history.restarts.pop()  # decide() granted it last: the maker did not charge it
         _amend(r, incident, rec, won)
         log.warning("job %s: group restart %d (%s, began on %s): every rank resumes from %s",
                     r.job.name, rec.gen, "decided here" if won else f"decided by {rec.host}",
                     rec.began, _where(rec))
-    if not keep_agent or not _leader_alive(a):
+    if not kept:
         return False
     rounds.evidence_then_round(r, g, a, capture, rec, incident,
                                f"group restart {g.gen}: {reason}", onset, peers=True)
@@ -294,7 +282,7 @@ def _claim_own_exits(r: Runner, g: Group, a: Attempt, gen: int) -> None:
     first = r.first_failure.exits.first_failure() or own[0]
     claim = {"kind": FaultKind.CRASH.value, "rank": first.rank,
              "at": time.time() - max(0.0, r.clock() - first.at),
-             "victim": peer_blamed(a.log_path, g.log_from, first.rank) is not None}
+             "victim": victim.peer_blamed(a.log_path, g.log_from, first.rank) is not None}
     records.call(r, records.claim_in_hand, g.root, gen, g.host, claim)
 
 

@@ -217,11 +217,29 @@ def call(r: Runner, fn: Any, *args: Any) -> Any:
     from trainwatch.privsep.hand import HandError  # the daemon's side only: see above
 
     try:
-        return r.hands.quick.call(fn, *args, timeout=TIMEOUT)
+        return answered(r, fn, *args)
     except HandError as e:
-        log.error("job %s: the group's records in %s: %s", r.job.name,
-                  folder(r.job.checkpoints.dir or "?"), e)
+        _said(r, e)
         return None
+
+
+def answered(r: Runner, fn: Any, *args: Any) -> Any:
+    """As ``call``, but a hand that did not answer (down, timed out, aborted) raises:
+    the caller waits for it (decision.py). One that answered a failure is said: None."""
+    from trainwatch.privsep.hand import HandAborted, HandDown, HandError, HandTimeout
+
+    try:
+        return r.hands.quick.call(fn, *args, timeout=TIMEOUT)
+    except (HandDown, HandTimeout, HandAborted):
+        raise
+    except HandError as e:
+        _said(r, e)
+        return None
+
+
+def _said(r: Runner, e: Exception) -> None:
+    log.error("job %s: the group's records in %s: %s", r.job.name,
+              folder(r.job.checkpoints.dir or "?"), e)
 
 
 def current_in_hand(root: str, scope: str | None = None) -> int:

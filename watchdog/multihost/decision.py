@@ -1,0 +1,99 @@
+"""The decision of a group restart (multihost/group.py): the checkpoint every rank
+resumes from, judged and recorded in the job's quick hand (privsep), as its user.
+
+A hand that does not answer (down for its cooldown after a call past its deadline,
+as on a machine too busy to run it) can do neither: the checkpoints stay as last
+judged, perhaps none yet, and a restart with no record has every rank resume from
+what its launch was given, from scratch for a first launch. A stalled rank then
+stalls again, round after round, until the budget is spent. So the restart waits,
+its workers kept, and is decided again every ``RETRY`` seconds until the hand
+answers: the way a relaunch waits for its checkpoints to be judged (actions/launch.py).
+A call the hand answered with a failure (the shared folder not writable) does not
+wait: it is said, and the restart goes on without a record, as before."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainwatch.actions import verify
+from trainwatch.multihost import records
+from trainwatch.privsep.hand import HandError
+
+if TYPE_CHECKING:
+    from trainwatch.evidence.capture import Capture
+    from trainwatch.lifecycle.runner import Runner
+    from trainwatch.multihost.group import Group
+    from trainwatch.types import Fault
+
+log = logging.getLogger("trainwatch")
+
+RETRY = 1.0  # seconds between two tries while the hand does not answer
+_VERIFY_WITHIN = 0.25  # seconds the loop waits on a checkpoint's check before deciding
+
+
+@dataclass
+class Waiting:
+    """A restart this host acted on, not decided yet: its hand does not answer."""
+
+    fault: Fault
+    incident: int | None
+    reason: str
+    charged: bool
+    capture: Capture | None
+    since: float  # the loop's clock
+    retry_at: float
+    why: str
+
+
+@dataclass(frozen=True)
+class Made:
+    rec: records.Restart | None  # None: not recorded (said)
+    won: bool  # decided here
+
+
+def make(r: Runner, g: Group, fault: Fault, incident: int | None, charged: bool,
+         wall: float, onset: float) -> Made | str:
+    """Restart ``g.gen + 1`` decided and recorded; or why it must wait (the hand
+    did not answer)."""
+    # After a rollback's quarantine: before the anomaly. Verified when its check is
+    # quick: else a corrupt one is every round's decision until its deaths mark it bad.
+    cp = verify.checkpoint_now(r, _VERIFY_WITHIN)
+    if r.catalog.unjudged is not None:  # the newest, perhaps every one, has no verdict
+        return f"its checkpoints are not judged ({r.catalog.unjudged})"
+    decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
+                "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
+                "at": wall, "charged": charged}
+    claim = {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident,
+             "victim": "peer_failure" in fault.evidence}
+    try:
+        raw = records.answered(r, records.begin_in_hand, g.root, g.gen + 1, g.host,
+                               decision, claim)
+    except HandError as e:
+        return f"the restart is not recorded ({e})"
+    rec = records.parse(raw)
+    # A call past its deadline may have made it before the hand was killed: ours still.
+    won = (isinstance(raw, dict) and raw.get("won") is True) or (
+        rec is not None and rec.host == g.host and rec.gen == g.gen + 1)
+    return Made(rec, won)
+
+
+def wait(r: Runner, g: Group, w: Waiting, again: bool) -> None:
+    """Keep the workers until the hand answers; said once per restart (not ``again``)."""
+    if not again:
+        log.error("job %s: group restart %d waits for the job's hand: %s; its workers are "
+                  "kept and it is decided again every %gs (never from scratch)",
+                  r.job.name, g.gen + 1, w.why, RETRY)
+    g.waiting = w
+    r.hang_latched = True  # the workers kept are not a new hang
+
+
+def waited(r: Runner, w: Waiting, rec: records.Restart | None) -> float:
+    """Said once the restart is decided after waiting; the wall time from which the
+    agent's workers are of the new round (those it started meanwhile may have read no
+    decision, and end too)."""
+    log.warning("job %s: group restart %s decided after %.1fs waiting for the job's hand",
+                r.job.name, rec.gen if rec is not None else "?", r.clock() - w.since)
+    return time.time()
