@@ -94,7 +94,9 @@ def test_capture_reads_every_rank_and_names_the_stopped_odd_one(
     assert s["errors"] == [] and s["deadline_hit"] is False
     assert s["seconds"] < 5.0
     t = s["targets"]
-    assert [x["pid"] for x in t] == pids and [x["state"] for x in t] == ["S", "S", "T"]
+    assert [x["pid"] for x in t] == pids and t[2]["state"] == "T"
+    # The waiting ranks sleep in a loop: on a busy machine one just woken reads R.
+    assert [x["state"] in ("S", "R") for x in t[:2]] == [True, True]
     assert [row(x["py_spy"]) for x in t] == [(True, "blocking"), (True, "blocking"),
                                              (True, "nonblocking")]
     assert all(isinstance(x["cpu_seconds"], float) for x in t)

@@ -25,8 +25,11 @@ from trainwatch.watch.intake import Intake
 
 # Forks `ranks` processes; each beats `steps` times as fast as it can (a loss
 # falling as 1 / step: a healthy curve), waits for the file `release` (well
-# within the hang timeout), beats once more (10 ms later: a datagram) and exits 0:
-# the final status.json then counts everything.
+# within the hang timeout), beats once more (10 ms later: into its ring, or as a
+# datagram where it has none) and exits 0. The job's own process (the last rank) exits only after
+# every other rank has: its exit is what the final reading of the rings follows,
+# so the final status.json then counts everything (a parent that left first had
+# two ranks' last beats unwritten at that reading on a loaded machine).
 _JOB = textwrap.dedent(
     """
     import os, sys, time
@@ -42,8 +45,11 @@ _JOB = textwrap.dedent(
             time.sleep(0.05)  # 1,000s of steps/s: the rings are read every second
     while not os.path.exists(release):
         time.sleep(0.05)
-    time.sleep(0.01)  # past the client's 5 ms between datagrams: this one is sent
+    time.sleep(0.01)  # past the client's 5 ms between datagrams, for a client without rings
     hb.beat(steps + 1, loss=1.0 / (steps + 1))
+    if rank == ranks - 1:
+        for _ in range(ranks - 1):
+            os.wait()
     """
 )
 

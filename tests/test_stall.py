@@ -68,5 +68,5 @@ def test_a_stopped_rank_is_a_stall_without_the_client(ws: Workspace) -> None:
     """No beats: output silence and idle CPU decide it; the stopped rank is found by its RANK."""
     incident = _stopped_rank_is_named(ws, beat=False)
     evidence = json.loads(str(incident["evidence"]))
-    assert evidence["client"] is False and evidence["decided_by"] == "process_state"
+    assert evidence["client"] is False and evidence["decided_by"] == "process_state", evidence
     _stacks_of_both_ranks(ws, incident)
