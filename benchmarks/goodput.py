@@ -1,11 +1,12 @@
 """The goodput drill (issue 25): the share of wall time that became training which
-counts, under one seeded schedule of faults, for trainwatch, torchrun and NVIDIA's
+counts, under seeded schedules of faults, for trainwatch, torchrun and NVIDIA's
 ft_launcher, in one run.
 
 How: the drill's trainer (benchmarks/goodput_drill/trainer.py: deterministic, one step
 every --step-time s, a checkpoint every --every steps) runs for --minutes under each
-system in turn (the order rotated per trial), fresh folders each time. The same faults
-are played against each at the same times after its first step (schedule.py: a crash,
+system in turn (the order rotated per trial), fresh folders each time. Within a trial
+the same faults are played against each at the same times after its first step, and
+each trial draws its own (schedule.per_trial says why; schedule.py: a crash,
 a SIGSTOPped rank, a rank stalled inside its step, a checkpoint corrupted on disk then a
 crash, a NaN window in the data, an Xid 79 on a simulated GPU). What each system did is
 read from outside: the trainer's progress log and when each rank process died.
@@ -22,6 +23,7 @@ steps (run here, unpaced). Medians over --trials.
 
 Run: .venv/bin/python benchmarks/goodput.py [--minutes 10] [--trials 1]
        [--trainer ddp|single] [--systems trainwatch,torchrun,nvrx] [--json F] [--svg F]
+       [--kinds crash:6,hang:6]  (other kinds than one of each: more samples of a few)
 """
 
 from __future__ import annotations
@@ -49,25 +51,36 @@ FLOORS_TEXT = ("detection floors: crash, corrupt (its crash), xid, nan 0 s (the 
 
 def startup_floor(d: Path, ranks: int, every: int, step_time: float, runs: int = 3) -> float:
     """The trainer's cold start to its first step under plain torchrun (median)."""
-    out = []
-    for i in range(runs):
-        w = d / f"floor{i}"
+    out: list[float] = []
+    tries = 0
+    while len(out) < runs:
+        # Up to 3 failed tries in all, as for the reference (a gloo rendezvous fails
+        # now and then on a loaded machine; one ended a drill before it began).
+        w = d / f"floor{len(out)}-{tries}"
         (w / "ckpt").mkdir(parents=True)
         rest = systems.trainer_args(w / "ckpt", w / "state", every, step_time, None)
         t0 = time.time()
-        subprocess.run(systems.torchrun_argv(ranks, [*rest, "--until", "1"]),
-                       env=systems.base_env("floor"), capture_output=True, timeout=300,
-                       check=True)
-        first = next(r for r in runner.progress(w / "state" / "progress.jsonl") if "step" in r)
-        out.append(float(first["t"]) - t0)
+        with open(w / "log", "wb") as log:
+            rc = subprocess.run(systems.torchrun_argv(ranks, [*rest, "--until", "1"]),
+                                env=systems.base_env("floor"), stdout=log,
+                                stderr=subprocess.STDOUT, timeout=300, check=False).returncode
+        first = next((r for r in runner.progress(w / "state" / "progress.jsonl") if "step" in r),
+                     None)
+        if rc == 0 and first is not None:
+            out.append(float(first["t"]) - t0)
+            continue
+        tries += 1
+        if tries == 3:
+            raise SystemExit(f"goodput: the trainer's cold start failed 3 times under plain "
+                             f"torchrun (last log: {w / 'log'})")
     return statistics.median(out)
 
 
 def reference(d: Path, ranks: int, until: int, skip: tuple[int, int] | None,
               nan: tuple[int, int] | None, cache: dict[Any, str]) -> str:
-    key = (until, skip)
+    key = (until, skip, nan)
     if key not in cache:
-        w = d / f"ref-{until}-{skip}"
+        w = d / f"ref-{until}-{skip}-{nan}"
         (w / "ckpt").mkdir(parents=True)
         rest = systems.trainer_args(w / "ckpt", w / "state", 10**9, 0.0, nan)
         rest += ["--until", str(until), "--digest-to", str(w / "digest")]
@@ -115,6 +128,8 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     p.add_argument("--svg", type=Path)
     p.add_argument("--keep", type=Path, help="keep every run's folders and logs here")
+    p.add_argument("--kinds", default=",".join(schedule.KINDS),
+                   help="the faults of each schedule, KIND[:COUNT],... (default: one of each)")
     a = p.parse_args()
     names = [s for s in a.systems.split(",") if s]
     unknown = [s for s in names if s not in systems.LAUNCHERS]
@@ -130,24 +145,31 @@ def main() -> int:
         print("goodput: nvrx needs nvidia-resiliency-ext (ft_launcher) in this venv: "
               "pip install -e '.[dev]'", file=sys.stderr)
         return 2
+    try:
+        kinds = schedule.parse_kinds(a.kinds)
+    except ValueError as e:
+        print(f"goodput: --kinds: {e}", file=sys.stderr)
+        return 2
     ranks = 2 if a.trainer == "ddp" else 1
     seconds = a.minutes * 60
-    faults = schedule.draw(a.seed, seconds, ranks, a.step_time)
-    nan = schedule.nan_window(faults)
+    plans = schedule.per_trial(a.seed, a.trials, seconds, ranks, a.step_time, kinds)
     print(machine_line())
     print(f"trainer {a.trainer} ({ranks} rank{'s' if ranks > 1 else ''}), a step every "
           f"{a.step_time} s, a checkpoint every {a.every} steps; {a.minutes:g} min per system, "
-          f"{a.trials} trial(s), seed {a.seed}")
-    print("schedule: " + "; ".join(
-        f"{f.kind} at {f.at:.0f} s (rank {f.rank})" if f.kind != "nan"
-        else f"nan in steps {f.steps[0]}-{f.steps[1]}" for f in faults))  # type: ignore[index]
+          f"{a.trials} trial(s), seeds {a.seed}-{a.seed + a.trials - 1} (one per trial)")
+    for t, faults in enumerate(plans):
+        print(f"schedule of trial {t + 1}: " + "; ".join(
+            f"{f.kind} at {f.at:.0f} s (rank {f.rank})" if f.kind != "nan"
+            else f"nan in steps {f.steps[0]}-{f.steps[1]}"  # type: ignore[index]
+            for f in faults))
     for n in names:
         print("  " + systems.settings(n))
     keep = a.keep
     root = Path(tempfile.mkdtemp(prefix="goodput-")) if keep is None else keep
     root.mkdir(parents=True, exist_ok=True)
     start = startup_floor(root, ranks, a.every, a.step_time)
-    lim = limit_of(faults, start, seconds, a.every, a.step_time)
+    # The same kinds in every schedule, so one limit: it does not depend on the times.
+    lim = limit_of(plans[0], start, seconds, a.every, a.step_time)
     print(f"  {FLOORS_TEXT}; start and restart {start:.2f} s (the trainer's cold start "
           f"to its first step, median of 3); limit {lim:.3f}")
     rows: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -155,7 +177,8 @@ def main() -> int:
     marks: list[tuple[str, float]] = []
     cache: dict[Any, str] = {}
     try:
-        for trial in range(a.trials):
+        for trial, faults in enumerate(plans):
+            nan = schedule.nan_window(faults)
             order = names[trial % len(names):] + names[:trial % len(names)]
             for n in order:
                 d = root / f"t{trial}-{n}"
@@ -173,14 +196,14 @@ def main() -> int:
     finally:
         if keep is None:
             shutil.rmtree(root, ignore_errors=True)
-    table(rows, lim, [f.kind for f in faults])
+    table(rows, lim, list(dict.fromkeys(f.kind for f in plans[0])))
     if a.svg:
         a.svg.write_text(report.svg(f"goodput drill, {a.trainer}, seed {a.seed}: effective "
                                     f"steps over wall time", curves, seconds, marks))
         print(f"chart: {a.svg}")
     if a.json:
         a.json.write_text(json.dumps({"limit": lim, "start_s": start, "seconds": seconds,
-                                      "schedule": [f.__dict__ for f in faults],
+                                      "schedules": [[f.__dict__ for f in fs] for fs in plans],
                                       "rows": {n: [{k: v for k, v in r.items() if k != "curve"}
                                                    for r in rs] for n, rs in rows.items()}},
                                      indent=1, default=str))
@@ -220,8 +243,9 @@ def occurrences(hs: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, Any
 
 def table(rows: dict[str, list[dict[str, Any]]], lim: float, kinds: list[str]) -> None:
     """The ratios, then per fault kind (in the schedule's order) each system's detection,
-    recovery and steps lost: matched by kind, since a system that never met a fault (it
-    never reached the NaN steps, no rank was up) has fewer of them."""
+    recovery and steps lost, medians over every fault of that kind in every trial:
+    matched by kind, since a system that never met a fault (it never reached the NaN
+    steps, no rank was up) has fewer of them."""
     med = statistics.median
     print(f"\n{'system':<11} {'ratio':>6} {'/limit':>7}  {'final weights':<14} "
           f"(limit {lim:.3f}; medians over trials)")
@@ -230,11 +254,12 @@ def table(rows: dict[str, list[dict[str, Any]]], lim: float, kinds: list[str]) -
               f"  {rs[0]['weights']:<14}")
     print(f"\n{'fault':<8} " + " ".join(f"{n:>26}" for n in rows))
     print(f"{'':<8} " + " ".join(f"{'detect / recover s, lost':>26}" for _ in rows))
+    counts = {n: {k: [h for r in rs for h in r["faults"] if h["kind"] == k] for k in kinds}
+              for n, rs in rows.items()}
     for k in kinds:
         cells = []
-        for rs in rows.values():
-            hs = [next(h for h in r["faults"] if h["kind"] == k) for r in rs
-                  if any(h["kind"] == k for h in r["faults"])]
+        for n in rows:
+            hs = counts[n][k]
             det = [h["detected_s"] for h in hs if h["detected_s"] is not None]
             rec = [h["recovered_s"] for h in hs if h["recovered_s"] is not None]
             lost = [h["steps_lost"] for h in hs if h["steps_lost"] is not None]
@@ -247,6 +272,12 @@ def table(rows: dict[str, list[dict[str, Any]]], lim: float, kinds: list[str]) -
                 cells.append(f"{report.cell(med(det) if det else None):>7} / "
                              f"{report.cell(med(rec)):>6}, {med(lost):>5.0f} st")
         print(f"{k:<8} " + " ".join(cells))
+    if any(len(hs) > len(rs) for n, rs in rows.items() for hs in counts[n].values()):
+        print("(each cell the median over every fault of its kind in every trial; recovered "
+              "of met: " + "; ".join(
+                  f"{n} " + ", ".join(f"{k} {sum(h['recovered_s'] is not None for h in hs)}"
+                                      f"/{len(hs)}" for k, hs in by.items())
+                  for n, by in counts.items()) + ")")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ happened: real systems, real rank processes, real faults, the weights compared b
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from collections.abc import Callable
@@ -22,6 +23,14 @@ STEP = 0.1
 EVERY = 30
 
 
+def test_each_trial_draws_its_own_schedule_of_the_same_kinds_the_first_from_the_seed() -> None:
+    plans = schedule.per_trial(25, 3, 600, 2, STEP)
+    assert plans[0] == schedule.draw(25, 600, 2, STEP)
+    assert len({tuple(p) for p in plans}) == 3
+    assert all(sorted(f.kind for f in p) == sorted(schedule.KINDS) for p in plans)
+    assert plans == schedule.per_trial(25, 3, 600, 2, STEP)
+
+
 def test_every_system_meets_the_same_faults_at_the_same_times() -> None:
     a = schedule.draw(25, 600, 2, STEP)
     assert a == schedule.draw(25, 600, 2, STEP)
@@ -32,6 +41,44 @@ def test_every_system_meets_the_same_faults_at_the_same_times() -> None:
     assert ats == sorted(ats) and ats[0] > 0 and ats[-1] < 600
     nan = schedule.nan_window(a)
     assert nan is not None and nan[1] - nan[0] == 5
+
+
+def test_the_default_schedule_of_seed_25_is_the_one_the_published_figures_met() -> None:
+    """Naming other kinds (--kinds) must not move the default draw: docs/figures.md
+    quotes trials of seeds 25-28 by their seconds."""
+    got = [(f.kind, round(f.at), f.rank, f.steps) for f in schedule.draw(25, 600, 2, STEP)]
+    assert got == [("stall", 92, 0, None), ("hang", 187, 1, None),
+                   ("nan", 237, 1, (2372, 2377)), ("crash", 326, 0, None),
+                   ("corrupt", 432, 0, None), ("xid", 515, 1, None)]
+
+
+@pytest.mark.parametrize(("text", "kinds"), [
+    ("crash", ("crash",)),
+    ("crash:3,hang:2", ("crash",) * 3 + ("hang",) * 2),
+    (" hang:1 , xid ", ("hang", "xid")),
+    (",".join(schedule.KINDS), schedule.KINDS),
+])
+def test_kinds_name_each_fault_of_a_schedule_in_order(text: str, kinds: tuple[str, ...]) -> None:
+    assert schedule.parse_kinds(text) == kinds
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("crash:x", "whole number"), ("crash:0", "between 1 and 100"), ("crash:101", "between"),
+    ("oom", "unknown fault kind"), ("", "no fault kinds"), ("nan:2", "nan at most once"),
+    ("xid,crash,xid", "xid at most once"),
+])
+def test_kinds_that_cannot_be_played_are_refused_saying_why(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        schedule.parse_kinds(text)
+
+
+def test_many_faults_of_a_few_kinds_keep_their_slots_and_the_xid_last() -> None:
+    plan = schedule.draw(25, 300, 2, STEP, schedule.parse_kinds("crash:5,hang:5,xid"))
+    assert sorted(f.kind for f in plan) == ["crash"] * 5 + ["hang"] * 5 + ["xid"]
+    assert plan[-1].kind == "xid"
+    ats = [f.at for f in plan]
+    slot = 300 / 12
+    assert all(b - a >= slot / 2 for a, b in itertools.pairwise(ats)), ats
 
 
 class Drill(NamedTuple):
@@ -108,7 +155,8 @@ def test_a_stopped_rank_under_nvidias_launcher_is_found_by_its_heartbeats_and_re
 
 
 @pytest.mark.parametrize("args", [["--systems", "nope"], ["--minutes", "0"],
-                                  ["--trials", "0"], ["--trainer", "three"]])
+                                  ["--trials", "0"], ["--trainer", "three"],
+                                  ["--kinds", "nan:2"], ["--kinds", "crash:many"]])
 def test_bad_arguments_get_one_clear_line_and_exit_2(args: list[str]) -> None:
     p = subprocess.run([sys.executable, str(BENCH / "goodput.py"), *args],
                        capture_output=True, text=True, timeout=60, check=False)
@@ -131,6 +179,22 @@ def test_the_table_lines_up_each_fault_by_kind_when_a_system_never_met_one(
     lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.strip()}
     assert "never met" in lines["nan"]
     assert "36.40" in lines["crash"] and "never handled" not in lines["crash"]
+
+
+def test_the_table_takes_the_median_of_every_fault_of_a_kind_in_every_trial(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """With --kinds crash:3 over two trials, a crash cell is the median of six, and the
+    note says how many of each were met and recovered."""
+    def crash(rec: float | None) -> dict[str, object]:
+        return {"kind": "crash", "detected_s": 0.1, "recovered_s": rec, "steps_lost": 5}
+    row = {"ratio": 0.5, "of_limit": 0.6, "weights": "= fault-free"}
+    rows = {"a": [{**row, "faults": [crash(1.0), crash(2.0), crash(9.0)]},
+                  {**row, "faults": [crash(3.0), crash(4.0), crash(None)]}]}
+    goodput.table(rows, 0.8, ["crash"])
+    out = capsys.readouterr().out
+    crash_line = next(ln for ln in out.splitlines() if ln.startswith("crash"))
+    assert "3.00," in crash_line, out  # the median of 1, 2, 3, 4, 9: not trial 1's first
+    assert "a crash 5/6" in out, out
 
 
 def test_bad_data_counts_as_recovered_only_by_the_attempt_that_trains_clear_of_it(

@@ -24,6 +24,9 @@ TIMEOUT_S = 15
 # means after a checkpoint was saved (train_ddp_heartbeats_api.py:202-207): the drill saves
 # one every 30 steps.
 CALIBRATE_AFTER = 50
+# How often a rank monitor checks its timeouts: the default, workload_check_interval
+# (config.py:59, rank_monitor_server.py:431-440), so a timeout is seen up to 5 s late.
+CHECK_INTERVAL_S = 5
 # Env the launcher gives each worker: the Unix socket of its rank monitor (data.py:27,
 # launcher.py:611). Without it the process is not under ft_launcher.
 SOCKET_ENV = "FT_RANK_MONITOR_IPC_SOCKET"
@@ -42,8 +45,9 @@ config.py:65); the rank monitor keeps them for later attempts, the first-beat on
 the time from connecting to the first beat) included (rank_monitor_server.py:234-256). \
 Before that, {INITIAL_TIMEOUT_S} s for the first beat and {TIMEOUT_S} s between beats, the \
 values of its CPU DDP example (basic_ft_example.py:33; the defaults are 60 and 45 min: \
-config.py:60-61). workload_check_interval 5 s (default, config.py:59: a timeout is seen up to \
-5 s late, rank_monitor_server.py:431-440); a timed-out rank gets SIGCONT then SIGKILL \
+config.py:60-61). workload_check_interval {CHECK_INTERVAL_S} s (default, config.py:59: a \
+timeout is seen up to {CHECK_INTERVAL_S} s late, rank_monitor_server.py:431-440); a timed-out \
+rank gets SIGCONT then SIGKILL \
 (rank_termination_signal default, config.py:66; rank_monitor_server.py:182-188); the other \
 ranks SIGTERM, SIGKILL after 30 s (--workers-stop-timeout default, launcher.py:1552-1559); the \
 launcher polls its workers every 0.1 s (--monitor-interval default, launcher.py:1560-1567). \

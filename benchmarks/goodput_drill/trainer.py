@@ -28,6 +28,7 @@ import hashlib
 import json
 import math
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -78,6 +79,15 @@ def gpu_of(local_rank: int) -> str:
     return visible.split(",")[local_rank] if visible else str(local_rank)
 
 
+def process_start() -> float:
+    """This process's start, wall clock, to a clock tick (Linux: its start in
+    /proc is in ticks since boot)."""
+    with open("/proc/self/stat") as f:
+        ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+    since = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - since
+
+
 def block_forever() -> None:
     while True:
         time.sleep(3600)
@@ -106,21 +116,40 @@ def main() -> int:
     if tw_skip is not None:
         skips = range(tw_skip[0], tw_skip[1] + 1)
 
+    # Seconds from `started` to the end of each part of the start (the start record):
+    # where a restart's time between the worker's start and its first step goes.
+    phases: dict[str, float] = {"exec": round(process_start() - started, 4)}  # < 0: imports
+    # And what this process had used by then: CPU seconds, involuntary context switches
+    # (a CPU wanted while another ran), major page faults (a read from disk).
+    usage: dict[str, list[float]] = {}
+
+    def phase(name: str) -> None:
+        phases[name] = round(time.time() - started, 4)
+        u = resource.getrusage(resource.RUSAGE_SELF)
+        usage[name] = [round(u.ru_utime + u.ru_stime, 3), u.ru_nivcsw, u.ru_majflt]
+
+    phase("main")
+
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model: nn.Module = nn.Sequential(nn.Linear(WIDTH, 64), nn.Tanh(), nn.Linear(64, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    phase("model")
     start = 0
     named = client.resume_from()
+    phase("resume_from")
     src = Path(named) if named else newest(a.ckpt)
     if src is not None:
         state = torch.load(src / "weights.pt", weights_only=True)  # raises on a bad file
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = int(state["step"])
+    phase("loaded")
     if world > 1:
         dist.init_process_group("gloo")
+        phase("process_group")
         model = nn.parallel.DistributedDataParallel(model)
+        phase("ddp")
     hb = client.connect(rank=rank)
     hb.data_order("step", "each batch is drawn from its step number")  # a skip is exact
     nv = None
@@ -128,11 +157,12 @@ def main() -> int:
         from goodput_drill.nvrx import Heartbeat
         nv = Heartbeat()
         nv.start()
+    phase("clients")
     log = open(a.state / "progress.jsonl", "a", buffering=1) if rank == 0 else None  # noqa: SIM115
     if log is not None:
         log.write(json.dumps({"t": started, "pid": os.getpid(), "start": True, "from": start,
-                              "skip": [skips.start, skips.stop - 1] if skips else None})
-                  + "\n")
+                              "skip": [skips.start, skips.stop - 1] if skips else None,
+                              "phases": phases, "usage": usage}) + "\n")
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     lost, stall = a.state / f"gpu-lost-{gpu_of(local)}", a.state / f"stall-{os.getpid()}"
     step, paced = start, time.monotonic()
