@@ -7,6 +7,7 @@ the rounds that die loading it mark it bad, as separate launches would."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -193,3 +194,38 @@ def test_workers_the_agent_started_after_the_fault_are_not_ended_as_the_rounds_b
         old.kill()
         old.wait()
 
+
+def test_a_hang_in_a_round_where_a_rank_exited_is_held_for_that_exits_crash(
+        ws: Workspace) -> None:
+    """torchrun's agent may reap a crashed rank before trainwatch reads its status: the
+    exit is judged UNKNOWN_GRACE (2 s) later, and a hang timeout of 1 s would name the
+    crash a hang (1 of 32 crashes in a goodput drill). A hang or stall in a round where
+    a rank exited is held until that exit is judged: the incident is the crash."""
+    import selectors
+
+    from trainwatch.config import load
+    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.multihost import group
+    from trainwatch.sources.rankexits import RankExit
+    from trainwatch.state.ledger import Ledger
+    from trainwatch.types import Fault, FaultKind
+
+    cfg = load(ws.config({"command": _command(ws), "nodes": 1,
+                          "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}}))
+    now = 100.0
+    r = JobRunner(cfg, cfg.jobs[0], Ledger(ws.state), selectors.DefaultSelector(),
+                  clock=lambda: now)
+    try:
+        assert r.group is not None
+        hang = Fault(FaultKind.HANG, "job", now, rank=0)
+        assert not group.held(r, hang, now)  # nodes: 1, no rank exited: acted on at once
+        r.first_failure.exits.exits.append(RankExit(1, 2**22 + 1, now - 0.5, None))
+        assert group.held(r, hang, now)
+        assert group.held(r, dataclasses.replace(hang, kind=FaultKind.NCCL_STALL), now)
+        r.group.before = {2**22 + 1}  # the exit of a round before: not this round's
+        assert not group.held(r, hang, now)
+        r.group.before = set()
+        r.group.exits_seen = 1  # judged (check(): its crash, or an exit 0 at the run's end)
+        assert not group.held(r, hang, now)
+    finally:
+        r.intake.close()

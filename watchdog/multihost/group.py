@@ -172,14 +172,25 @@ def wake(r: Runner, now: float) -> float | None:
     return None if r.group is None else rounds.wake(r.group, now)
 
 
+def exit_unjudged(r: Runner, g: Group) -> bool:
+    """A rank of this round has exited, its status unknown (torchrun's agent reaped it
+    before we read it) and not judged yet: the others then go quiet with it, and a hang
+    timeout shorter than UNKNOWN_GRACE would name that crash a hang."""
+    return any(e.pid not in g.before for e in r.first_failure.exits.exits[g.exits_seen:])
+
+
 def held(r: Runner, fault: Fault, now: float) -> bool:
     """A hang or stall in which no rank of this host is stopped: its ranks wait
     in a collective for another host's, whose daemon names it (multinode: the
     victims must not be named). Held for HOLD seconds, following a peer's
-    restart meanwhile (check()); then acted on here all the same."""
+    restart meanwhile (check()); then acted on here all the same. Also held while a
+    rank's exit of this round is unjudged: a hang in a round where a rank exited is
+    that exit's crash."""
     g = r.group
     if g is None or fault.kind not in (FaultKind.HANG, FaultKind.NCCL_STALL):
         return False
+    if exit_unjudged(r, g):
+        return True  # that exit's crash, judged within UNKNOWN_GRACE (check()), not a hang
     if r.job.nodes is not None and r.job.nodes[1] <= 1:
         return False  # nodes: 1, a torchrun job on one host: no other host to wait for
     if stopped_ranks(r.ranks.pids()):
