@@ -3,27 +3,37 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
+PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check
+# The demo needs trainwatch and its runtime only (numpy for the bundled trainer); the
+# tests add torch, transformers, lightning, moto and the tools (minutes of pip).
+DEMO_STAMP := $(VENV)/.demo
+STAMP      := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck tools unit bench clean
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
+	@echo "setting up .venv for the demo: trainwatch and its runtime (psutil, PyYAML, numpy, prometheus-client, APScheduler, nvidia-ml-py, xxhash)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP) -e .
+	@touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) pyproject.toml
 	@pkg-config --exists libsystemd 2>/dev/null && command -v gcc >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get update -q && \
 	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q --no-install-recommends \
 	    gcc python3-dev libsystemd-dev pkg-config \
 	  || echo "could not install systemd-python's build dependencies"; }
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	@echo "setting up .venv for the tests: torch, transformers, lightning, moto, ruff, mypy and the rest of the dev extra (minutes on a fresh machine)"
+	$(PIP) --upgrade pip
+	$(PIP) -e '.[dev]'
 	# NVIDIA's ft_launcher, for the goodput drill (benchmarks/goodput.py) and its tests. Without
 	# its dependencies: it asks for the deprecated `pynvml` distribution, whose import hook warns
 	# on every `import pynvml`; nvidia-ml-py (already here) is the module it imports.
-	$(BIN)/python -m pip install -q --no-deps 'nvidia-resiliency-ext==0.4.1'
+	$(PIP) --no-deps 'nvidia-resiliency-ext==0.4.1'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/trainwatch demo
 
 test: lint typecheck tools unit
@@ -48,8 +58,10 @@ typecheck: $(STAMP)
 
 # Four processes, each test file whole in one (its module fixtures and order kept);
 # tests that add users or groups take a lock (conftest.accounts).
+# build/unit.xml: which tests failed, for CI's one rerun of them (.ci/rerun.py).
 unit: $(STAMP)
-	$(BIN)/pytest -q -n 4 --dist loadfile --durations=15
+	mkdir -p build
+	$(BIN)/pytest -q -n 4 --dist loadfile --durations=15 --junitxml=build/unit.xml
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
