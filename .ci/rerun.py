@@ -37,8 +37,11 @@ def failures(report: Path) -> list[tuple[str | None, str]]:
         for bad in (*case.findall("failure"), *case.findall("error")):
             text = (bad.text or "").rstrip().splitlines()
             first = (bad.get("message") or "").strip().splitlines()
-            line = text[-1].strip() if text else ""
-            if first and first[0] not in line:
+            line = text[-1].strip() if text else ""  # "path:line: AssertionError"
+            where, _, kind = line.rpartition(": ")
+            if first and first[0].startswith(kind) and where:
+                line = f"{where}: {first[0]}"  # the type with its message
+            elif first and first[0] not in line:
                 line = f"{line} - {first[0]}" if line else first[0]
             out.append((node_id(case), line[:300]))
     return out
