@@ -5,10 +5,8 @@ bytes, so not pytest's long tmp_path), a config writer, and a real
 from __future__ import annotations
 
 import contextlib
-import grp
 import json
 import os
-import pwd
 import selectors
 import shutil
 import signal
@@ -25,6 +23,18 @@ from typing import Any
 
 import pytest
 import yaml
+from accounts import (  # noqa: F401  (hooks and a fixture pytest finds here)
+    _accounts_removed,
+    accounts,
+    local_group,
+    local_user,
+    missing,
+    need_root,
+    pytest_configure,
+    pytest_sessionfinish,
+    remove_accounts,
+    run_name,
+)
 
 WORKER = Path(__file__).parent / "jobs" / "worker.py"
 
@@ -187,13 +197,6 @@ def _no_inherited_trainwatch_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(k)
 
 
-def missing(why: str) -> None:
-    """What this machine lacks skips a test here; in CI (CI=true) it fails instead."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI must have this: {why}")
-    pytest.skip(why)
-
-
 def need_binary(name: str) -> str:
     """The path of an integration binary (prometheus, promtool, ...)."""
     path = shutil.which(name)
@@ -210,53 +213,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def need_root(what: str) -> None:
-    """Acting as other users, mounting, cgroups: root, as in CI (where a lack fails)."""
-    if os.geteuid() != 0:
-        missing(f"needs root: {what}")
-
-
-@contextlib.contextmanager
-def accounts() -> Iterator[None]:
-    """Held while a test adds a user or a group: the suite runs in several processes
-    (pytest-xdist), and useradd fails outright when another holds /etc/passwd's lock."""
-    import fcntl
-
-    with open("/tmp/trainwatch-tests-accounts.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        yield
-
-
-def local_user(name: str) -> pwd.struct_passwd:
-    """A local system user (and its group) for the test, created when missing."""
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        need_root(f"create the test user {name}")
-    with accounts():
-        with contextlib.suppress(KeyError):
-            return pwd.getpwnam(name)  # another process of the suite made it meanwhile
-        subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell",
-                        "/usr/sbin/nologin", name], check=True, capture_output=True, timeout=30)
-        return pwd.getpwnam(name)
-
-
-def local_group(name: str, members: tuple[str, ...] = ()) -> grp.struct_group:
-    """A local system group for the test, created when missing, with ``members`` in it."""
-    need_root(f"create the test group {name}")
-    with accounts():
-        try:
-            grp.getgrnam(name)
-        except KeyError:
-            subprocess.run(["groupadd", "--system", name], check=True, capture_output=True,
-                           timeout=30)
-        for user in members:
-            if user not in grp.getgrnam(name).gr_mem:
-                subprocess.run(["usermod", "-aG", name, user], check=True,
-                               capture_output=True, timeout=30)
-        return grp.getgrnam(name)
 
 
 @pytest.fixture

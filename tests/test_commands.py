@@ -26,13 +26,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import ServedControl, UserPython, Workspace, local_user
+from conftest import ServedControl, UserPython, Workspace, local_user, run_name
 from trainwatch.cli.commands import render_incidents
 from trainwatch.host.control import ControlSocket, Peer, Refused, control_path
 from trainwatch.state.ledger import Ledger
 from trainwatch.types import Fault, FaultKind
 
 NO_GROUP = "tw-no-such-group"  # an admin group nobody is in: root and the daemon only
+OTHER = run_name("test1")  # a user of this run's own (conftest)
 Reply = dict[str, Any] | Exception
 
 
@@ -396,7 +397,7 @@ def test_other_user_is_kept_out_by_a_closed_run_dir(
     d = Daemon(run_dir, {"status": _status()})
     try:
         os.chmod(run_dir, 0o700)
-        assert _one_line(_as_user(user_python, "twtest1", "status", "--run-dir", run_dir)) \
+        assert _one_line(_as_user(user_python, OTHER, "status", "--run-dir", run_dir)) \
             == (f"trainwatch: permission denied: {run_dir}/control.sock: its folder (run_dir)"
                 " is not open to this user")
         assert d.calls == []
@@ -406,12 +407,12 @@ def test_other_user_is_kept_out_by_a_closed_run_dir(
 
 def test_other_user_is_refused_by_the_daemon(user_python: UserPython, run_dir: str) -> None:
     """The daemon's refusal of a job not the sender's: its line after the op, exit 1."""
-    u = local_user("twtest1")
-    who = f"uid {u.pw_uid} (twtest1)"
+    u = local_user(OTHER)
+    who = f"uid {u.pw_uid} ({OTHER})"
     d = Daemon(run_dir, {"stop": Refused(f"job llama runs as alice; {who} may act only on "
                                          "its own jobs")})
     try:
-        line = _one_line(_as_user(user_python, "twtest1", "stop", "llama", "--run-dir",
+        line = _one_line(_as_user(user_python, OTHER, "stop", "llama", "--run-dir",
                                   run_dir))
         assert line == f"trainwatch stop: job llama runs as alice; {who} may act only on " \
                        "its own jobs"
@@ -424,10 +425,10 @@ def test_other_user_is_refused_by_the_daemon(user_python: UserPython, run_dir: s
 def test_member_of_the_group_is_answered(user_python: UserPython, run_dir: str) -> None:
     """A real non-root user in the admin group reaches the daemon as an admin."""
     # The user's own group, made the socket's group here.
-    group = grp.getgrgid(local_user("twtest1").pw_gid).gr_name
+    group = grp.getgrgid(local_user(OTHER).pw_gid).gr_name
     d = Daemon(run_dir, {"status": _status()}, group=group)
     try:
-        p = _as_user(user_python, "twtest1", "status", "--run-dir", run_dir)
+        p = _as_user(user_python, OTHER, "status", "--run-dir", run_dir)
         assert _ok(p)[2].startswith("llama")
         assert d.calls == [("status", {})]
         assert [p.admin for p in d.peers] == [True]

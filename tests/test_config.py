@@ -27,8 +27,8 @@ JOB = "jobs: [{name: train, command: [python, train.py]}]\n"
 NAME_RULE = "a name of letters, digits, '_', '.', '-' (at most 63)"
 COMMAND_RULE = "a non-empty list of strings (the command and its arguments)"
 DURATION_RULE = "a duration > 0 such as 30s, 5m or 24h (at most 10 years)"
-TOP_KEYS = ("gpu, host, jobs, metrics, observe_only, policies, removed_jobs, run_dir,"
-            " slurm, state_dir")
+TOP_KEYS = ("admin_group, gpu, host, jobs, metrics, observe_only, policies, removed_jobs,"
+            " run_dir, slurm, state_dir")
 DETECTED = ", ".join(sorted(k.value for k in DETECTED_KINDS))
 ALL_ACTIONS = "alert, restart, rollback, restart_exclude_gpu, exec, stop"
 LONG_RUN_DIR = "/" + "r" * 100  # 101 bytes; /jobs/train.sock makes it 117 > 107
@@ -72,6 +72,17 @@ BAD: list[object] = [
         "state_dir: /var/lib/trainwatch\n",
         "<file>: jobs: expected a list of jobs (`jobs: []` for none yet), got nothing",
         id="missing-jobs",
+    ),
+    pytest.param(
+        JOB + "admin_group: [gpu-admins]\n",
+        "<file>: admin_group: expected a non-empty string, got ['gpu-admins']",
+        id="admin-group-a-list",
+    ),
+    pytest.param(
+        JOB + "admin_group: '99999999999999999999'\n",
+        "<file>: admin_group: expected a group name, or a gid from 0 to 4294967294,"
+        " got '99999999999999999999'",
+        id="admin-group-gid-too-large",
     ),
     pytest.param(
         "", "<file>: jobs: expected a list of jobs (`jobs: []` for none yet), got nothing",
@@ -399,6 +410,17 @@ def test_null_startup_timeout_is_accepted_as_off(tmp_path: Path) -> None:
     assert config.jobs[0].heartbeat.startup_timeout is None
 
 
+@pytest.mark.parametrize(("line", "group"), [
+    ("", "trainwatch"),  # trainwatch.host.access.GROUP, the group make install creates
+    ("admin_group: gpu-admins\n", "gpu-admins"),
+    ("admin_group: '1001'\n", "1001"),  # a gid, quoted as for a job's group
+])
+def test_admin_group_names_the_group_that_acts_on_every_job(
+        tmp_path: Path, line: str, group: str) -> None:
+    """admin_group: the control socket's admin group, a name or a gid; trainwatch unless set."""
+    assert load(_write(tmp_path, JOB + line)).admin_group == group
+
+
 def test_minimal_job_gets_documented_defaults(tmp_path: Path) -> None:
     """A job with only name and command gets the defaults DESIGN.md and the example state."""
     config = load(_write(tmp_path, JOB))
@@ -523,6 +545,7 @@ def test_example_config_shows_every_key_with_a_comment() -> None:
         "state_dir",
         "run_dir",
         "observe_only",
+        "admin_group",
         "metrics",
         "address",
         "port",
@@ -621,3 +644,10 @@ def test_check_config_cli_accepts_the_example() -> None:
     assert all(".checkpoints.dir: /data/llama/ckpt is not a folder here" in line
                for line in result.stderr.splitlines()), result.stderr
     assert result.stdout.strip() == f"{EXAMPLE}: ok (1 job(s): llama-pretrain)"
+
+
+def test_the_admin_groups_default_is_the_one_the_control_socket_judges_by() -> None:
+    from trainwatch.config.schema import Config
+    from trainwatch.host.access import GROUP
+
+    assert Config.admin_group == GROUP

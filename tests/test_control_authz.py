@@ -1,15 +1,18 @@
 """Each user controls only their own jobs (issue 21, item 9): a real `trainwatch
-daemon` run as root supervises job `a` running as twalice and job `b` running
-as twbob, and real users drive it with the real CLI (`setpriv` to their uid,
-gid and groups): twalice and twbob see and act on their own job only and are
-refused on the other's, which stays untouched; twadmin (a supplementary member
-of the `trainwatch` group) acts on both and alone reloads or drills a GPU;
-twcarol, who has no job, sees none. The control socket is open to every local
-user: who may do what is decided per request from the kernel's credentials."""
+daemon` run as root supervises job `a` running as alice and job `b` running
+as bob, and real users drive it with the real CLI (`setpriv` to their uid,
+gid and groups): alice and bob see and act on their own job only and are
+refused on the other's, which stays untouched; admin (a supplementary member
+of the daemon's admin group, its config's `admin_group`) acts on both and alone
+reloads or drills a GPU; carol, who has no job, sees none. The control socket is
+open to every local user: who may do what is decided per request from the
+kernel's credentials. The users and the admin group are this run's own
+(conftest.run_name), made for the module and removed at the session's end."""
 
 from __future__ import annotations
 
 import contextlib
+import grp
 import json
 import os
 import pwd
@@ -26,11 +29,21 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import UserPython, free_port, local_group, local_user, need_root, wait_for
+from conftest import (
+    UserPython,
+    free_port,
+    local_group,
+    local_user,
+    need_root,
+    run_name,
+    wait_for,
+)
 
-ADMIN, ALICE, BOB, CAROL = "twadmin", "twalice", "twbob", "twcarol"
+ADMIN, ALICE, BOB, CAROL = (run_name(role) for role in ("admin", "alice", "bob", "carol"))
 JOBS = {"a": ALICE, "b": BOB}
-GROUP = "trainwatch"  # trainwatch.host.access.GROUP: the admin group
+# The daemon's admin_group: a group of this run's, not the machine's own trainwatch
+# group (trainwatch.host.access.GROUP, the default), whose members would be admins here.
+GROUP = run_name("admins")
 # The job: beats ten times a second through the client (running from its first beat).
 BEATER = ("import time\nfrom trainwatch import client\nhb = client.connect()\n"
           "step = 0\nwhile True:\n    step += 1\n    hb.beat(step)\n    time.sleep(0.1)\n")
@@ -38,7 +51,7 @@ BEATER = ("import time\nfrom trainwatch import client\nhb = client.connect()\n"
 
 def _admin_group_member(user: str) -> None:
     """``user`` in the admin group as a supplementary group, as `make install` and
-    `usermod -aG trainwatch USER` leave it (the group is created when missing)."""
+    `usermod -aG trainwatch USER` leave it."""
     local_group(GROUP, (user,))
 
 
@@ -142,7 +155,7 @@ def host(user_python: UserPython) -> Iterator[Host]:
     config = root / "trainwatch.yaml"
     port = free_port()
     config.write_text(yaml.safe_dump({
-        "state_dir": str(root / "state"), "run_dir": str(root / "run"),
+        "state_dir": str(root / "state"), "run_dir": str(root / "run"), "admin_group": GROUP,
         "metrics": {"port": port}, "gpu": {"backend": "off", "kmsg": None}, "jobs": jobs,
         "policies": {"default": {"max_restarts": 3, "kill_grace": "2s",
                                  "backoff": {"initial": "0.1s", "max": "1s", "jitter": 0}}}}))
@@ -239,7 +252,7 @@ def test_a_user_with_no_jobs_acts_on_none(host: Host) -> None:
 
 
 def test_the_admin_group_acts_on_every_job_where_other_users_are_refused(host: Host) -> None:
-    """twadmin, a supplementary member of the trainwatch group, pauses and resumes a and b,
+    """admin, a supplementary member of the admin group, pauses and resumes a and b,
     each refused to the other job's user."""
     for job, other in (("a", BOB), ("b", ALICE)):
         assert _one_line(host.cli(other, "pause", job)) == \
@@ -254,11 +267,11 @@ def test_host_wide_requests_are_for_admins_only(host: Host) -> None:
     """reload and GPU drills: refused to alice before any work; the admin's are carried out."""
     uid = pwd.getpwnam(ALICE).pw_uid
     assert _one_line(host.cli(ALICE, "reload")) == (
-        f"trainwatch reload: reload is for root and the trainwatch group only; uid {uid} "
+        f"trainwatch reload: reload is for root and the {GROUP} group only; uid {uid} "
         f"({ALICE}) may act only on its own jobs")
     # Refused before the daemon even looks at its GPUs (monitoring is off here).
     assert host.ask(ALICE, "gpu-xid", {"gpu": 0, "xid": 79})["error"] == (
-        f"gpu-xid: the GPU drill gpu-xid is for root and the trainwatch group only; uid {uid} "
+        f"gpu-xid: the GPU drill gpu-xid is for root and the {GROUP} group only; uid {uid} "
         f"({ALICE}) may act only on its own jobs")
     assert host.ask(ADMIN, "gpu-xid", {"gpu": 0, "xid": 79})["error"] == \
         "gpu-xid: GPU monitoring is off (gpu.backend: off)"
@@ -290,8 +303,8 @@ def _get(host: Host, user: str | None, path: str) -> tuple[int, str]:
 def test_each_user_is_served_the_incident_pages_of_their_own_jobs_only(host: Host) -> None:
     """Each job crashes once (SIGKILL); on the metrics port, /incidents/ lists alice's
     incident to alice, bob's to bob, both to the admin and none to carol, and
-    /incidents/N of another user's job is 404, as if it did not exist. (Run last:
-    it leaves an incident on each job.)"""
+    /incidents/N of another user's job is 404, as if it did not exist. (Run after
+    the others but the reload's: it leaves an incident on each job.)"""
     before = {job: host.status(job) for job in JOBS}
     for job in JOBS:
         os.kill(before[job]["pid"], signal.SIGKILL)
@@ -318,3 +331,40 @@ def test_each_user_is_served_the_incident_pages_of_their_own_jobs_only(host: Hos
     assert _get(host, None, f"/incidents/{ids['a']}")[0] == 200  # root: an admin
     assert _get(host, ALICE, "/incidents/nope")[0] == 404
 
+
+def _reload_with(host: Host, group: str) -> None:
+    """The daemon's config file with ``admin_group: group``, reloaded by root."""
+    config = host.root / "trainwatch.yaml"
+    doc = yaml.safe_load(config.read_text())
+    doc["admin_group"] = group
+    config.write_text(yaml.safe_dump(doc))
+    p = host.cli(None, "reload")
+    assert p.returncode == 0 and p.stdout.startswith("reloaded"), (p.stdout, p.stderr)
+
+
+def test_a_reload_makes_another_group_the_admin_group(host: Host) -> None:
+    """admin_group set to alice's own group and reloaded: alice sees every job, on the
+    control socket and on the incident pages, and admin is refused a reload that names
+    that group; reloaded back, admin is an admin again. (Run last: it reads the
+    incidents the incident pages' test left.)"""
+    alices = grp.getgrgid(pwd.getpwnam(ALICE).pw_gid).gr_name
+    p = host.cli(None, "incidents", "--json")
+    assert p.returncode == 0, p.stderr
+    links = [f'href="/incidents/{i["id"]}"' for i in json.loads(p.stdout)]
+    assert len(links) == 2, p.stdout
+    try:
+        _reload_with(host, alices)
+        assert _jobs(host.cli(ALICE, "status", "--json")) == ["a", "b"]
+        assert _jobs(host.cli(ADMIN, "status", "--json")) == []
+        uid = pwd.getpwnam(ADMIN).pw_uid
+        assert _one_line(host.cli(ADMIN, "reload")) == (
+            f"trainwatch reload: reload is for root and the {alices} group only; uid {uid} "
+            f"({ADMIN}) may act only on its own jobs")
+        status, index = _get(host, ALICE, "/incidents/")
+        assert status == 200 and all(link in index for link in links), index[:2000]
+        status, index = _get(host, ADMIN, "/incidents/")
+        assert status == 200 and not any(link in index for link in links), index[:2000]
+    finally:
+        _reload_with(host, GROUP)
+    assert _jobs(host.cli(ADMIN, "status", "--json")) == ["a", "b"]
+    assert _jobs(host.cli(ALICE, "status", "--json")) == ["a"]

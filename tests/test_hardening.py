@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import UserPython, Workspace, local_user, missing, wait_for
+from conftest import UserPython, Workspace, local_user, missing, run_name, wait_for
 from trainwatch.config import from_mapping
 from trainwatch.host.supervisor import Supervisor
 from trainwatch.lifecycle.job import JobRunner
 from trainwatch.types import JobState
 
-VICTIM = "twvictim"
+VICTIM = run_name("victim")  # this run's own user (conftest)
 
 
 def _user(name: str) -> pwd.struct_passwd:

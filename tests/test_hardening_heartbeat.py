@@ -16,9 +16,11 @@ import time
 
 import psutil
 import pytest
-from conftest import UserPython, Workspace, local_user, need_root, wait_for
+from conftest import UserPython, Workspace, local_user, need_root, run_name, wait_for
 
-USER = "twtest1"  # trainwatch and its job run as this user where a foreign sender must share it
+# trainwatch and its job run as this user where a foreign sender must share it (this
+# run's own: conftest)
+USER = run_name("test1")
 NOBODY = 65534
 
 # The job: beats at 100 Hz through the client and does one misdeed on attempt 0.

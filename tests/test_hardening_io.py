@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import Workspace, free_port, local_user, missing, need_root, wait_for
+from conftest import Workspace, free_port, local_user, missing, need_root, run_name, wait_for
 from test_metrics import Scrape
 
 # A job that records each attempt in a journal outside the state_dir, prints
@@ -305,8 +305,8 @@ def test_a_job_folder_with_the_jobs_group_is_readable_by_its_user_and_no_one_els
     from trainwatch.state import joblock
     from trainwatch.state.catalog import Catalog
 
-    uid, gid = _user("twtest1")
-    other_uid, other_gid = _user("twtest2")
+    uid, gid = _user(run_name("test1"))
+    other_uid, other_gid = _user(run_name("test2"))
     os.chmod(ws.root, 0o711)
     ws.state.mkdir(mode=0o711)
     with joblock.acquire(ws.state, "job", gid=gid):
@@ -323,7 +323,7 @@ def test_a_job_folder_with_the_jobs_group_is_readable_by_its_user_and_no_one_els
             assert _can_read(uid, gid, f), f"the job's user cannot read {name}"
             assert not _can_read(other_uid, other_gid, f), f"another user reads {name}"
         assert not _can_read(uid, gid, d / "lock")
-    assert grp.getgrgid(gid).gr_name == "twtest1"
+    assert grp.getgrgid(gid).gr_name == run_name("test1")
 
 
 def test_the_state_a_real_run_leaves_is_not_world_readable(ws: Workspace) -> None:

@@ -17,10 +17,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import Workspace, finish, local_group, local_user, missing, need_root, wait_for
+from conftest import (
+    Workspace,
+    finish,
+    local_group,
+    local_user,
+    missing,
+    need_root,
+    run_name,
+    wait_for,
+)
 from trainwatch.actions.tree import is_gone
 
-USER, GROUP = "twtest1", "twtestg"
+USER, GROUP = run_name("test1"), run_name("testg")  # this run's own (conftest)
 
 
 def _need_root() -> None:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import Workspace, finish, local_user, need_root, wait_for
+from conftest import Workspace, finish, local_user, need_root, run_name, wait_for
 
-USER = "twenvuser"
+USER = run_name("envuser")  # this run's own user (conftest)
 SECRET = "wJalrXUtnFEMI-not-for-jobs"
 
 

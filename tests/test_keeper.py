@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import local_user, missing, need_root, pid_gone, wait_for
+from conftest import local_user, missing, need_root, pid_gone, run_name, wait_for
 from trainwatch.actions import cgroup as cgroups
 from trainwatch.actions import kept
 from trainwatch.actions.keeper import boot_id
@@ -225,7 +225,7 @@ def test_leader_runs_as_the_job_user_while_the_keeper_stays_root(
         tmp_path: Path, launched: list[kept.Launched]) -> None:
     """uid, gid and groups are the user's in the leader; the keeper keeps root's."""
     need_root("run a job as another user")
-    pw = local_user("twtest1")
+    pw = local_user(run_name("test1"))
     s = spec(tmp_path, ["sleep", "60"], cwd="/", uid=pw.pw_uid, gid=pw.pw_gid,
              groups=[pw.pw_gid])
     rec, pidfd = launch(s, None, launched)

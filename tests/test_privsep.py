@@ -27,6 +27,7 @@ from conftest import (
     missing,
     need_root,
     pid_gone,
+    run_name,
     wait_for,
 )
 from trainwatch.actions import background, prune, pull, ringfolder
@@ -48,7 +49,7 @@ from trainwatch.state.manifest import Store
 from trainwatch.state.verifier import Verifier
 from trainwatch.watch.intake import RING_BUDGET, RING_POLL, Intake
 
-USER = "twhand"
+USER = run_name("hand")  # this run's own user (conftest)
 
 
 def _user() -> Identity:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from conftest import Workspace, finish, local_user
+from conftest import Workspace, finish, local_user, run_name
 from trainwatch import layouts
 from trainwatch.config import Checkpoints, ConfigError, from_mapping
 from trainwatch.snapshot import blobs
@@ -247,8 +247,8 @@ def test_a_pull_runs_as_the_jobs_user_so_what_it_makes_is_theirs_and_nothing_is_
     from trainwatch.actions.pull import Pull
     from trainwatch.snapshot.remote import Remote, upload
 
-    user = local_user("twtest1")
-    ident = credentials.resolve("twtest1", None)
+    user = local_user(run_name("test1"))
+    ident = credentials.resolve(user.pw_name, None)
     src = _snapshot(tmp_path / "src", 5, b"weights" * 1000)
     upload(s3.url, str(src))
     if damaged:  # the chunk on the remote rots: the pull fails after its staging began

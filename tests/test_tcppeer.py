@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import local_user
+from conftest import local_user, run_name
 from trainwatch.export.incidentpages import IncidentPages
 from trainwatch.export.tcppeer import uid_of
 
@@ -38,7 +38,7 @@ def _connect_as(uid: int, gid: int, host: str, port: int) -> subprocess.Popen[st
 
 @pytest.fixture
 def other() -> Iterator[tuple[int, int]]:
-    u = local_user("twpeer")
+    u = local_user(run_name("peer"))
     yield u.pw_uid, u.pw_gid
 
 

@@ -347,7 +347,7 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
     """Validate a parsed YAML document into a Config."""
     r = Reader(source)
     keys = {"state_dir", "run_dir", "metrics", "gpu", "jobs", "policies", "observe_only",
-            "removed_jobs", "host", "slurm"}
+            "removed_jobs", "host", "slurm", "admin_group"}
     m = r.mapping(raw, "", keys)
     state_default, run_default = default_dirs()
 
@@ -388,6 +388,7 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         gpu=gpu,
         observe_only=r.get(m, "observe_only", "", "true or false", False),
         removed_jobs=_removed(r, m.get("removed_jobs", "keep")),
+        admin_group=r.get(m, "admin_group", "", fields.GROUP, Config.admin_group),
         source=source,
         host=host,
         slurm=slurm,

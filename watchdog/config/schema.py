@@ -246,6 +246,9 @@ class Config:
     gpu: Gpu = field(default_factory=Gpu)
     observe_only: bool = False
     removed_jobs: str = "keep"  # a reload: keep running unwatched, or stop
+    # Its members act on every job over the control socket: host/access.py's GROUP
+    # by default (not imported: the config sits below the host).
+    admin_group: str = "trainwatch"
     source: str = "<defaults>"
     # This host's name in incidents and group records (`host:`, or --host for tests
     # that run several "hosts" on one machine).

@@ -37,6 +37,7 @@ from trainwatch.export.families import gauge as _gauge
 from trainwatch.export.incidentpages import IncidentPages
 from trainwatch.export.jobusage import JobUsageCollector
 from trainwatch.export.metricsserver import MetricsServer
+from trainwatch.host.access import Peers
 from trainwatch.state import statewrites
 from trainwatch.types import JobState
 
@@ -259,7 +260,8 @@ class Exporter:
         self._thread: threading.Thread | None = None
         # The incident pages served beside /metrics (export/incidentpages.py).
         self.pages = IncidentPages(supervisor.config.state_dir, lambda: {
-            r.job.name: r.job.user for r in list(supervisor.runners)})
+            r.job.name: r.job.user for r in list(supervisor.runners)},
+            peers=Peers(supervisor.config.admin_group))
 
     def start(self, address: str, port: int) -> None:
         """Raises OSError when the port cannot be bound."""

@@ -4,7 +4,8 @@ applies to ``scontrol``, decided per request from the sender's credentials.
 The kernel vouches for each request's pid, uid and gid (SO_PASSCRED on the
 control socket); the group database adds the sender's supplementary groups (a
 datagram carries only the primary gid). An *admin* is root, the daemon's own
-user, or a member of the admin group (``trainwatch``): admins read and act on
+user, or a member of the admin group (the config's ``admin_group``, by default
+``trainwatch``: ``GROUP``): admins read and act on
 every job and alone make host-wide requests (``reload``, GPU drills). Any
 other local user reads and acts only on the jobs that run as that user (the
 job's ``user:``; a job without one runs as the daemon's user, so under a root
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-GROUP = "trainwatch"  # the admin group
+GROUP = "trainwatch"  # the admin group, unless the config's admin_group names another
 TTL = 30.0  # seconds a sender's verdict or a job's owner is cached
 _CACHE_MAX = 1024  # cached senders or owners; the cache is emptied when full
 
@@ -57,10 +58,14 @@ class Peers:
     def __init__(self, group: str = GROUP, clock: Callable[[], float] = time.monotonic
                  ) -> None:
         self.group = group
-        try:
-            self.gid: int | None = grp.getgrnam(group).gr_gid
-        except KeyError:
-            self.gid = None  # no such group: root and the daemon's user are the admins
+        self.gid: int | None
+        if group.isascii() and group.isdigit():  # a gid, as config.fields.numeric_id reads it
+            self.gid = int(group)
+        else:
+            try:
+                self.gid = grp.getgrnam(group).gr_gid
+            except KeyError:
+                self.gid = None  # no such group: root and the daemon's user are the admins
         self.daemon_uid = os.geteuid()
         self.clock = clock
         self._cache: dict[tuple[int, int], tuple[float, str | None, bool]] = {}

@@ -10,9 +10,10 @@ address for that (``request()`` does).
 Who may ask what is decided per request (access.py): the socket file is mode
 0o666, so every local user reaches it, and the kernel attaches the sender's
 pid, uid and gid to every datagram (SO_PASSCRED). The handler gets that sender
-as an ``access.Peer``: root, the daemon's own user and members of the
-``trainwatch`` group act on every job, anyone else only on the jobs that run
-as them, and a handler raises ``access.Refused`` for the rest.
+as an ``access.Peer``: root, the daemon's own user and members of the admin
+group (``admin_group``, by default ``trainwatch``) act on every job, anyone else
+only on the jobs that run as them, and a handler raises ``access.Refused`` for
+the rest.
 
 Because anyone may send, a flood must stay cheap and must not shut out the
 others: the cheap checks come first (credentials, a per-sender rate for all
@@ -167,6 +168,11 @@ class ControlSocket:
             s.close()
             raise
         self.sock = s
+
+    def set_group(self, group: str) -> None:
+        """Judge senders against another admin group from now on (a reload)."""
+        self.peers = Peers(group, self.clock)
+        self.group = group
 
     def fileno(self) -> int:
         return self.sock.fileno()

@@ -201,6 +201,10 @@ class Daemon(Supervisor):
             else:
                 out["unchanged"].append(j.name)
                 known.config = new
+        if new.admin_group != self.config.admin_group:
+            log.info("reload: the admin group is now %s (was %s)", new.admin_group,
+                     self.config.admin_group)
+            self.set_admin_group(new.admin_group)
         self.config = new
         out["reloaded"] = True
         log.info("reloaded %s: added %s, changed %s, removed %s, unchanged %d", source,

@@ -32,7 +32,7 @@ def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer) -> dict[s
         return drill(sup, args, peer)
     if op not in GPU_OPS:
         raise ValueError(f"unknown op {op!r}")
-    access.admin_only(peer, f"the GPU drill {op}")
+    access.admin_only(peer, f"the GPU drill {op}", sup.config.admin_group)
     if sup.gpus is None:
         raise ValueError("GPU monitoring is off (gpu.backend: off)")
     gpu = args.get("gpu")

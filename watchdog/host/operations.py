@@ -55,7 +55,7 @@ def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer
     if op == "incidents":
         return incidents(sup, args, peer)
     if op == "reload":
-        access.admin_only(peer, "reload")
+        access.admin_only(peer, "reload", sup.config.admin_group)
         return sup.reload()
     r = _runner(sup, args, peer)
     access.check(peer, r.job.name, r.job.user, act=op not in READS)

@@ -21,7 +21,7 @@ from trainwatch.actions import credentials, tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.export.metrics import Exporter
 from trainwatch.host import operations
-from trainwatch.host.access import Peer
+from trainwatch.host.access import Peer, Peers
 from trainwatch.host.agenda import Agenda
 from trainwatch.host.control import ControlSocket, Later
 from trainwatch.host.jobcheck import check_command
@@ -119,7 +119,8 @@ class Supervisor:
         self.control: ControlSocket | None = None
         try:
             self.control = ControlSocket(config.run_dir, self._on_control,
-                                         quiet=operations.QUIET, wake=self.wake)
+                                         group=config.admin_group, quiet=operations.QUIET,
+                                         wake=self.wake)
             self.sel.register(self.control, selectors.EVENT_READ,
                               lambda _fd: self.control and self.control.handle())
         except (SocketInUse, OSError) as e:
@@ -186,6 +187,13 @@ class Supervisor:
 
     def reload(self) -> dict[str, Any]:
         raise ValueError("only the daemon reloads its config (trainwatch daemon)")
+
+    def set_admin_group(self, group: str) -> None:
+        """Judge senders against another admin group from now on (a reload): on the
+        control socket and on the incident pages."""
+        if self.control is not None:
+            self.control.set_group(group)
+        self.exporter.pages.peers = Peers(group)  # one assignment: the page thread sees either
 
     # --- the loop's edges (trainwatch run; the daemon overrides them) -----------
 
