@@ -18,7 +18,9 @@ def _stopped_rank_is_named(ws: Workspace, beat: bool) -> dict[str, object]:
     job: dict[str, object] = {"command": _ddp(ws, *(["--beat"] if beat else []), *args),
                               "gpus": {"devices": [0, 1]}}
     if not beat:  # no reports: the catalog judges the files (renamed into place whole)
-        job["stall"] = {"silence": "4s"}
+        # Idle for half of it decides: more than a loaded host's disk stalls every
+        # rank for while they import torch, silent (a second or two seen at 4 s).
+        job["stall"] = {"silence": "10s"}
         job["checkpoints"] = {"dir": str(ws.ckpt), "pattern": "step_{step}.pt",
                               "quiet_for": "1s"}
     p = ws.run(ws.config(job, gpu={"backend": "sim", "count": 2, "kmsg": None}))

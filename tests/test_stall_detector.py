@@ -72,6 +72,11 @@ CASES = [
      procs((0, "R", 1.0), (1, "R", 1.0)), 6.0, None),
     ("all busy past the ceiling: a stall", ranks((0, 10, 0.0), (1, 10, 0.0)),
      procs((0, "R", 1.0), (1, "R", 1.0)), 31.0, (FaultKind.NCCL_STALL, None, "none")),
+    # Runnable but starved on a loaded host, its rate reads low: it works, it is no
+    # idle rank among spinning ones (was named by "cpu").
+    ("a rank in R with a low rate is busy, not the idle one",
+     ranks((0, 10, 0.0), (1, 10, 0.0), (2, 10, 0.0), (3, 10, 0.0)),
+     procs((0, "R", 1.0), (1, "R", 0.98), (2, "R", 0.01), (3, "R", 1.0)), 6.0, None),
     ("two stopped ranks: neither named by state", ranks((0, 10, 0.0), (1, 10, 0.0), (2, 10, 0.0)),
      procs((0, "T", 0.0), (1, "T", 0.0), (2, "S", 0.0)), 6.0, (FaultKind.NCCL_STALL, None, "none")),
 ]
@@ -128,14 +133,24 @@ SILENT = StallSettings(silence=20.0)
     # Only rank 0 known as a rank (the other process not yet readable as one): idle
     # "while the others spin" needs others, so nobody is named.
     (25.0, procs((0, "S", 0.0), (-77, "T", 0.0)), None),
+    # In R, a rate that reads idle (starved, or carried over from a sample it slept
+    # through) is no evidence: a rank importing torch under load, or the launcher
+    # alone winding down once its workers exited, was taken for a stuck job.
+    (25.0, procs((0, "S", 0.0), (1, "R", 0.01)), None),
+    (25.0, procs((-77, "R", 0.0)), None),
+    # In D but busy a moment ago (a rank exiting, or reading a busy disk): working;
+    # in D and idle (a hung file system): stuck, and the one halted is named.
+    (25.0, procs((0, "D", 0.21), (-77, "S", 0.0)), None),
+    (25.0, procs((0, "D", 0.0), (1, "S", 0.0), (-77, "S", 0.0)), 0),
 ])
 def test_silence_and_idle_cpu_stand_in_for_the_client(silent_for: float | None,
                                                       ps: dict[int, Proc],
                                                       expected: int | None) -> None:
     """Without beats: silent and idle for `silence` is a stall; the stopped rank is named."""
-    f = detect_silent("j", SilentView(100.0, silent_for, ps, 60.0), SILENT)
+    quiet_for = (silent_for or 0.0) / 2  # idle at every sample, from half the silence on
+    f = detect_silent("j", SilentView(100.0, silent_for, ps, 60.0, quiet_for), SILENT)
     fires = silent_for is not None and silent_for >= 20 and all(
-        p.state == "T" or (p.cpu_rate or 0) < 0.05 for p in ps.values())
+        p.state == "T" or (p.state != "R" and (p.cpu_rate or 0) < 0.05) for p in ps.values())
     assert (f is not None) == fires
     if f is not None:
         assert f.kind is FaultKind.NCCL_STALL and f.rank == expected
@@ -147,10 +162,37 @@ def test_silence_is_on_by_default_at_five_minutes() -> None:
     own NCCL timeout is 10); 4 minutes is not, and silence None turns it off."""
     assert StallSettings().silence == 300.0
     idle = procs((0, "S", 0.0))
-    assert detect_silent("j", SilentView(1e4, 300.0, idle, 1e4), StallSettings()) is not None
-    assert detect_silent("j", SilentView(1e4, 240.0, idle, 1e4), StallSettings()) is None
+    assert detect_silent("j", SilentView(1e4, 300.0, idle, 1e4, 150.0),
+                         StallSettings()) is not None
+    assert detect_silent("j", SilentView(1e4, 240.0, idle, 1e4, 120.0), StallSettings()) is None
     off = StallSettings(silence=None)
-    assert detect_silent("j", SilentView(1e4, 1e6, idle, 1e6), off) is None
+    assert detect_silent("j", SilentView(1e4, 1e6, idle, 1e6, 1e6), off) is None
+
+
+def test_one_idle_moment_of_a_silent_busy_job_is_not_a_stall() -> None:
+    """Idle or stopped at every sample over the second half of the silence is a stall;
+    idle at one sample only is not (a loaded run: every rank of a torchrun job that was
+    silent for 18 s importing torch went into D on a stalled disk for a second)."""
+    ps = procs((0, "D", 0.01), (1, "D", 0.0), (-77, "S", 0.0))
+    assert detect_silent("j", SilentView(100.0, 20.0, ps, 60.0, 1.0), SILENT) is None
+    assert detect_silent("j", SilentView(100.0, 20.0, ps, 60.0, 10.0), SILENT) is not None
+
+
+def test_the_quiet_stretch_begins_at_the_sample_its_rates_start_from() -> None:
+    """StallWatch: the stretch is broken by any busy sample, begins at the sample before
+    the first quiet one (its rates run from there), and is forgotten when the job speaks."""
+    from trainwatch.watch.stallwatch import StallWatch
+
+    w = StallWatch(StallSettings(silence=4.0))
+    busy, idle = procs((0, "R", 0.19), (1, "R", 0.2)), procs((0, "D", 0.01), (1, "S", 0.0))
+    unknown = procs((0, "S", None), (1, "T", None))
+    assert w.quiet_for(10.0, busy) == 0.0
+    assert w.quiet_for(11.0, idle) == 1.0  # rates over [10, 11]
+    assert w.quiet_for(12.0, idle) == 2.0
+    assert w.quiet_for(13.0, busy) == 0.0  # broken
+    w.loud()
+    assert w.quiet_for(20.0, unknown) == 0.0  # first sample: rates not known, not broken
+    assert w.quiet_for(21.0, idle) == 1.0
 
 
 @pytest.mark.parametrize("section, value, where", [

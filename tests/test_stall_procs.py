@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 from conftest import wait_for
+from trainwatch.detectors.stall import SilentView, StallSettings, detect_silent
 from trainwatch.sources.procs import Sampler
 
 # Stands in for a torchrun worker: forked without RANK, then exec'd with it.
@@ -52,6 +54,42 @@ def test_a_process_without_a_rank_is_asked_a_few_times_only() -> None:
             now[0] = i * 0.5
             assert s.rank_of(p.pid) is None
         assert s.no_rank[p.pid][1] == 5
+    finally:
+        p.kill()
+        p.wait()
+
+
+# Sleeps until told, then spins: a launcher idle while its workers run, busy once they exit.
+SPINNER = ("import sys\nsys.stdout.write('ready\\n')\nsys.stdout.flush()\n"
+           "sys.stdin.readline()\nwhile True:\n    pass\n")
+
+
+def test_a_process_that_went_busy_since_its_last_rate_is_not_taken_for_idle() -> None:
+    """Sampled again under half a second after its rate was taken (the loop woke early),
+    a process keeps the rate of when it slept; now it runs (R): no stall without the
+    client (a loaded run took the launcher winding down for a stuck job)."""
+    p = subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        assert p.stdout.readline() == b"ready\n"
+        proc = psutil.Process(p.pid)
+        wait_for(lambda: proc.status() == psutil.STATUS_SLEEPING, what="it to sleep")
+        now = [0.0]
+        s = Sampler(clock=lambda: now[0])
+        s.sample({-p.pid: p.pid})
+        now[0] = 1.0
+        idle = s.sample({-p.pid: p.pid})[-p.pid]
+        assert idle.state == "S" and idle.cpu_rate is not None and idle.cpu_rate < 0.05
+        slept = proc.cpu_times().user
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+        wait_for(lambda: proc.cpu_times().user > slept + 0.1, what="it to spin")
+        now[0] = 1.2
+        busy = s.sample({-p.pid: p.pid})[-p.pid]
+        assert busy.state == "R" and busy.cpu_rate == idle.cpu_rate  # the rate carried over
+        v = SilentView(now[0], 25.0, {-p.pid: busy}, 60.0, 12.5)
+        assert detect_silent("j", v, StallSettings(silence=20.0)) is None
     finally:
         p.kill()
         p.wait()

@@ -170,14 +170,19 @@ def test_attempt_started_to_die_with_its_parent_does_not_outlive_a_sigkill(
     assert sup.stdout is not None
     leader = int(sup.stdout.readline())
     escaped = _read_pid(logs / "escaped")
-    assert os.getsid(escaped) != leader  # it did leave the job's session
-    sup.kill()
-    sup.wait()
-    sup.stdout.close()
     try:
+        # Fallback: `setsid sleep` calls setsid() once it runs; its pid is written before.
+        wait_for(lambda: os.getsid(escaped) != leader, what="the escapee's own session")
+        sup.kill()
+        sup.wait()
+        sup.stdout.close()
         wait_for(lambda: is_gone(leader), timeout=10, what="the leader to die with its parent")
         wait_for(lambda: is_gone(escaped), timeout=10, what="the escaped process to die too")
     finally:
+        if sup.poll() is None:  # the wait above failed: its watcher ends the job
+            sup.kill()
+            sup.wait()
+            sup.stdout.close()
         for pid in (leader, escaped):
             if not is_gone(pid):
                 os.kill(pid, signal.SIGKILL)

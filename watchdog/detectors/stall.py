@@ -19,7 +19,9 @@ This decides within seconds, from what trainwatch sees of every rank:
   classed as that fault (``gpu_xid``, ...), with the stall as its evidence.
 
 ``detect_silent`` is the fallback for a job without the client: output silent
-and every process idle (or stopped) for ``silence``.
+for ``silence``, and every process idle (or stopped) at each sample since the
+sampling began, half of it in. Here and above, a process in R (running, or
+runnable and waiting for a core) is busy, never idle, whatever its CPU rate says.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class SilentView:
     silent_for: float | None  # seconds since the job last wrote output; None: unknown
     procs: Mapping[int, Proc]  # by rank (from RANK in its environment), or by pid (-pid)
     attempt_age: float
+    quiet_for: float  # every process idle or stopped at each sample this long (stallwatch.py)
 
 
 def stall_timeout(p99: float | None, s: StallSettings) -> float:
@@ -90,12 +93,17 @@ def next_deadline(v: StallView, s: StallSettings) -> float | None:
     return max(r.advanced_at for r in judges) + stall_timeout(v.p99, s)
 
 
+# One in R runs or waits for a core: busy, whatever its rate says. On a loaded
+# host that rate reads low (starved, or carried over from a sample it slept
+# through: sources/procs.py), and a job starting up or winding down looked stuck.
 def _idle(p: Proc | None, idle_cpu: float) -> bool:
-    return p is not None and p.cpu_rate is not None and p.cpu_rate < idle_cpu
+    return (p is not None and p.state != "R" and p.cpu_rate is not None
+            and p.cpu_rate < idle_cpu)
 
 
 def _busy(p: Proc | None, idle_cpu: float) -> bool:
-    return p is not None and p.cpu_rate is not None and p.cpu_rate >= idle_cpu
+    return p is not None and (p.state == "R" or (p.cpu_rate is not None
+                                                 and p.cpu_rate >= idle_cpu))
 
 
 def name_rank(steps: Mapping[int, int], procs: Mapping[int, Proc],
@@ -169,14 +177,27 @@ def detect(job: str, v: StallView, s: StallSettings) -> Fault | None:
                  onset_step=onset_step)
 
 
+def quiet(procs: Mapping[int, Proc], idle_cpu: float) -> bool | None:
+    """Every process stopped or idle: True; one busy: False; else None (a rate not
+    known yet). Stopped (T, t) is stuck whatever its CPU said; D is no proof: a
+    rank exiting or reading a busy disk is in D a moment while it works."""
+    if any(p.state not in ("T", "t") and _busy(p, idle_cpu) for p in procs.values()):
+        return False
+    if all(p.state in ("T", "t") or _idle(p, idle_cpu) for p in procs.values()):
+        return True
+    return None
+
+
 def detect_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
-    """No output and no CPU from any process for ``silence``: stuck (the client's
-    absence is never enough on its own: the job must also be idle)."""
+    """No output for ``silence`` and no CPU from any process at every sample since
+    the sampling began, half of it in (stallwatch.py): stuck. The client's absence
+    is never enough on its own, nor is one idle moment (every rank of a busy,
+    silent start-up waiting on a stalled disk)."""
     if s.silence is None or v.silent_for is None or v.silent_for < s.silence:
         return None
     if v.attempt_age < s.silence or not v.procs:
         return None
-    if not all(p.state in STOPPED or _idle(p, s.idle_cpu) for p in v.procs.values()):
+    if not quiet(v.procs, s.idle_cpu) or v.quiet_for < s.silence / 2:
         return None
     ranks = {r: p for r, p in v.procs.items() if r >= 0}
     rank, decided_by = name_rank({}, ranks, s.idle_cpu)
