@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import errno
 import gc
 import os
 import pwd
@@ -643,25 +644,53 @@ def test_closing_a_hand_ends_its_call_in_flight_instead_of_waiting_for_it() -> N
     assert not os.path.exists(f"/proc/{pid}")
 
 
+def _writer(fifo: Path) -> int | None:
+    """The FIFO's write end, once a reader has it open (ENXIO before: no side effect)."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno != errno.ENXIO:
+            raise
+        return None
+
+
 def test_a_pull_cancelled_mid_way_ends_its_hand(open_tmp: Path) -> None:
     """The job of a pull blocked on the remote is removed: cancel ends the pull's hand,
     and the pull fails at once instead of going on for hours."""
     ident = _user()
     remote = open_tmp / "remote"
     remote.mkdir()
-    os.mkfifo(remote / "snapshot-5.json", 0o644)  # a read that waits for a writer
+    fifo = remote / "snapshot-5.json"
+    os.mkfifo(fifo, 0o644)  # a read that waits for a writer
     (open_tmp / "ckpt").mkdir()
     _give(open_tmp / "ckpt", ident)
     p = pull.Pull(f"file://{remote}", str(open_tmp / "ckpt"), None, "test", ident, {})
     p.start()
     wait_for(lambda: p.hand is not None and p.hand.counts["spawns"] == 1, timeout=30,
              what="the pull's hand")
-    time.sleep(1.0)  # blocked on the FIFO
-    assert not p.done
-    p.cancel()
-    assert p.thread is not None
-    p.thread.join(30)
+    assert p.hand is not None
+    pid = p.hand._pid
+    # Mid-way: the hand has the manifest (the FIFO) open, not still starting (its imports
+    # take seconds on a loaded host). Our write end, held open, leaves its read waiting.
+    held: list[int] = []
+
+    def opened() -> bool:
+        fd = _writer(fifo)
+        if fd is not None:
+            held.append(fd)
+        return fd is not None or p.done
+
+    wait_for(opened, timeout=60, what="the pull to open the manifest")
+    try:
+        assert held and not p.done, p.error
+        p.cancel()
+        assert p.thread is not None
+        p.thread.join(30)
+    finally:
+        for fd in held:
+            os.close(fd)
     assert p.done and p.error is not None, p.error
+    assert pid is not None and pid_gone(pid), f"the pull's hand {pid} is still alive"
 
 
 class _Job:

@@ -47,10 +47,15 @@ log = logging.getLogger("trainwatch")
 
 # A pull is the network's pace: bounded all the same (a hand that hangs is killed).
 PULL_TIMEOUT = 6 * 3600.0
-# What the pull's hand imports before it drops to the job's user.
-PRELOAD = ("trainwatch.snapshot.remote", "trainwatch.snapshot.fetch", "fsspec", "s3fs",
-           "aiobotocore.session", "botocore.session", "aiohttp", "certifi", "zstandard",
-           "xml.etree.ElementTree", "email.utils", "http.client", "ssl", "hmac", "uuid")
+# What the pull's hand imports before it drops to the job's user, who may not be
+# able to read our install. fsspec.implementations.chained: url_to_fs imports it at
+# every call, never at fsspec's import (a clean 0700 clone failed every pull and
+# listing as the job's user before it reached the remote, unless the daemon had
+# happened to import it itself).
+PRELOAD = ("trainwatch.snapshot.remote", "trainwatch.snapshot.fetch", "fsspec",
+           "fsspec.implementations.chained", "s3fs", "aiobotocore.session",
+           "botocore.session", "aiohttp", "certifi", "zstandard", "xml.etree.ElementTree",
+           "email.utils", "http.client", "ssl", "hmac", "uuid")
 
 POLL = 0.1  # how often a launch waiting for a pull looks again
 # Where the launch cannot wait in BACKOFF (an operator's start of a PAUSED job):
@@ -60,6 +65,9 @@ WAIT_MAX = 60.0
 # long for the remote's listing, so that a step it lacks is refused before the job
 # is touched (one request; a hung network costs the operator's command, bounded).
 LIST_MAX = 10.0
+# The listing's hand starts first (a fork, the imports above, the drop to the job's
+# user: seconds on a loaded host), bounded apart: LIST_MAX is the remote's alone.
+START_MAX = 10.0
 
 
 @dataclass
@@ -82,6 +90,8 @@ class Pull:
     thread: threading.Thread | None = field(default=None, repr=False)
     refused: str | None = None  # why it may not run at all (its user not resolved)
     hand: Hand | None = field(default=None, repr=False)
+    # Set by cancel: also before the hand is forked, when there is no socket to shut.
+    cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="trainwatch-pull", daemon=True)
@@ -94,8 +104,12 @@ class Pull:
         hand = self.hand = Hand(f"pull of {self.root}", self.ident, env=self.env,
                                 preload=PRELOAD)
         try:
+            if self.cancelled.is_set():
+                raise HandError("cancelled before it began")
+            # should_stop: a cancel that came before the fork (abort had no socket to
+            # shut) still ends the call, within the hand's poll.
             got = hand.call(pull_in_hand, self.url, self.root, self.step, self.retire,
-                            timeout=PULL_TIMEOUT)
+                            timeout=PULL_TIMEOUT, should_stop=self.cancelled.is_set)
         except HandError as e:
             self.error = f"no answer as the job's user: {e}"
             return
@@ -119,6 +133,7 @@ class Pull:
     def cancel(self) -> None:
         """Its job is gone (removed by a reload, the daemon stopping): the pull's
         hand ends now rather than pull on for hours into an unwatched folder."""
+        self.cancelled.set()
         if self.hand is not None:
             self.hand.abort()
 
@@ -172,9 +187,15 @@ def steps(url: str, timeout: float = LIST_MAX, env: dict[str, str] | None = None
     job's user) in ``env`` (its environment: its credentials, its HOME), as the
     pull is: botocore reads the config files ``env`` names and runs a
     ``credential_process`` written there, which must never run as root. At most
-    ``timeout``; a ValueError of one line when it cannot."""
+    ``timeout`` once the hand serves (its start has START_MAX of its own); a
+    ValueError of one line when it cannot."""
     hand = Hand(f"listing of {url}", ident, env=env, preload=PRELOAD)
     try:
+        try:
+            hand.start(START_MAX)
+        except HandTimeout:
+            raise ValueError(f"cannot list the snapshots of {url}: no hand as the job's user "
+                             f"within {START_MAX:g}s") from None
         got = hand.call(steps_in_hand, url, timeout=timeout)
     except HandTimeout:
         raise ValueError(f"{url} did not list its snapshots within {timeout:g}s") from None

@@ -33,8 +33,9 @@ MAX_LISTED = 64  # quarantined steps named in an incident; the rest are counted
 def listing(r: Runner, step: int) -> Callable[[], list[int]] | None:
     """The work that lists the remote store's steps, when ``to_step`` needs it
     (``step`` not in the catalog, ``checkpoints.remote`` set): a hand as the
-    job's user, up to ``pull.LIST_MAX``, so the caller runs it off the loop and
-    hands its result to ``to_step``. None when the catalog is enough."""
+    job's user, its start up to ``pull.START_MAX``, then up to ``pull.LIST_MAX``,
+    so the caller runs it off the loop and hands its result to ``to_step``. None
+    when the catalog is enough."""
     remote, root = r.job.checkpoints.remote, r.catalog.spec.dir
     if remote is None or root is None or any(e.step == step for e in r.catalog.entries()):
         return None

@@ -95,7 +95,8 @@ def run_dir_of(args: argparse.Namespace) -> str:
 
 
 # A rollback to a step only the remote store holds waits for the remote's
-# listing, in a hand as the job's user (pull.LIST_MAX, 10 s, plus the hand's start).
+# listing, in a hand as the job's user (pull.LIST_MAX, 10 s, after the hand's start,
+# pull.START_MAX, 10 s).
 ROLLBACK_WAIT = 30.0
 
 

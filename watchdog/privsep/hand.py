@@ -84,6 +84,10 @@ class OpFailed(HandError):
         return OSError(self.errno or 0, self.text or self.kind)
 
 
+def _serving() -> None:
+    """What ``Hand.start`` calls in the hand: nothing (it answers once it serves)."""
+
+
 @dataclass
 class Blobs:
     """A result with raw bytes beside its JSON (a copy of a dump)."""
@@ -177,6 +181,12 @@ class Hand:
                                errno_ if isinstance(errno_, int) else None,
                                str(reply.get("error", ""))[:1000])
             return reply.get("result"), blobs
+
+    def start(self, timeout: float) -> None:
+        """Fork the hand now (unless it runs) and wait until it serves: its imports
+        and its drop to the job's user, within ``timeout``, so that the deadline of
+        the call after is that call's own. Raises HandError as a call does."""
+        self.call(_serving, timeout=timeout)
 
     @property
     def down(self) -> bool:
