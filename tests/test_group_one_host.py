@@ -11,11 +11,15 @@ import dataclasses
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from conftest import Workspace, finish, free_port, wait_for
 from test_gpu_e2e import XID79_GPU1
 from test_torchrun import DDP
+
+if TYPE_CHECKING:
+    from trainwatch.lifecycle.job import JobRunner
 
 
 def _visible(pid: int) -> str | None:
@@ -41,6 +45,20 @@ def _command(ws: Workspace, *args: str) -> list[str]:
             f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=tw-one-host",
             "--monitor-interval=0.1", str(DDP), "--ckpt-dir", str(ws.ckpt), "--beat",
             "--steps", "200", "--interval", "0.05", "--ckpt-every", "20", *args]
+
+
+def _runner(ws: Workspace, now: float) -> JobRunner:
+    """A nodes: 1 job's runner, not started, on a clock stopped at ``now``."""
+    import selectors
+
+    from trainwatch.config import load
+    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.state.ledger import Ledger
+
+    cfg = load(ws.config({"command": _command(ws), "nodes": 1,
+                          "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}}))
+    return JobRunner(cfg, cfg.jobs[0], Ledger(ws.state), selectors.DefaultSelector(),
+                     clock=lambda: now)
 
 
 def _one_incident(ws: Workspace, out: str) -> None:
@@ -131,20 +149,12 @@ def test_a_round_waiting_for_its_evidence_is_looked_at_again_within_a_twentieth_
     """The workers of a hung round are kept until their stacks are taken (tens of ms),
     then killed, and only then does the agent restart them: the loop must look again
     soon, not at the job's next whole second (up to 1 s more of every hang's recovery)."""
-    import selectors
-
-    from trainwatch.config import load
     from trainwatch.evidence.capture import Capture
-    from trainwatch.lifecycle.job import JobRunner
     from trainwatch.multihost import rounds
-    from trainwatch.state.ledger import Ledger
     from trainwatch.types import JobState
 
-    cfg = load(ws.config({"command": _command(ws), "nodes": 1,
-                          "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}}))
     now = 100.5
-    r = JobRunner(cfg, cfg.jobs[0], Ledger(ws.state), selectors.DefaultSelector(),
-                  clock=lambda: now)
+    r = _runner(ws, now)
     try:
         r.state = JobState.RUNNING
         assert r.group is not None and r.next_wake(now) == 101.0  # the job's own grid
@@ -201,20 +211,12 @@ def test_a_hang_in_a_round_where_a_rank_exited_is_held_for_that_exits_crash(
     exit is judged UNKNOWN_GRACE (2 s) later, and a hang timeout of 1 s would name the
     crash a hang (1 of 32 crashes in a goodput drill). A hang or stall in a round where
     a rank exited is held until that exit is judged: the incident is the crash."""
-    import selectors
-
-    from trainwatch.config import load
-    from trainwatch.lifecycle.job import JobRunner
     from trainwatch.multihost import group
     from trainwatch.sources.rankexits import RankExit
-    from trainwatch.state.ledger import Ledger
     from trainwatch.types import Fault, FaultKind
 
-    cfg = load(ws.config({"command": _command(ws), "nodes": 1,
-                          "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}}))
     now = 100.0
-    r = JobRunner(cfg, cfg.jobs[0], Ledger(ws.state), selectors.DefaultSelector(),
-                  clock=lambda: now)
+    r = _runner(ws, now)
     try:
         assert r.group is not None
         hang = Fault(FaultKind.HANG, "job", now, rank=0)

@@ -18,30 +18,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
-from conftest import local_user, missing, need_root, pid_gone, run_name
+from conftest import missing, pid_gone
+from test_privsep import _give, _user
 from trainwatch.actions import pull
-from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.privsep import child
 from trainwatch.privsep.hand import Hand
 from trainwatch.snapshot import blobs, remote
 from trainwatch.snapshot.format import Leaf, Manifest
-
-USER = run_name("puller")  # this run's own user (conftest)
-
-
-def _user() -> Identity:
-    need_root("a hand as another user")
-    local_user(USER)
-    ident = resolve(USER, None)
-    assert ident is not None
-    return ident
-
-
-def _give(path: Path, ident: Identity) -> None:
-    for top, dirs, files in os.walk(path):
-        for name in [*dirs, *files]:
-            os.lchown(os.path.join(top, name), ident.uid, ident.gid)
-    os.chown(path, ident.uid, ident.gid)
 
 
 def _uploaded(tmp: Path, step: int) -> str:
