@@ -67,6 +67,20 @@ def _give(path: Path, ident: Identity) -> None:
             os.lchown(os.path.join(top, name), ident.uid, ident.gid)
     os.chown(path, ident.uid, ident.gid)
 
+def _credential_home(tmp: Path, ident: Identity, process: str) -> tuple[dict[str, str], Path]:
+    """A HOME of ``ident``'s whose AWS config runs ``process`` (``{out}``: a folder of
+    theirs, returned) for credentials; the environment of a listing with it."""
+    home, out = tmp / "home", tmp / "out"
+    (home / ".aws").mkdir(parents=True)
+    out.mkdir()
+    (home / ".aws" / "config").write_text(
+        f"[default]\ncredential_process = {process.replace('{out}', str(out))}\n")
+    _give(home, ident)
+    _give(out, ident)
+    return {"HOME": str(home), "PATH": "/usr/bin:/bin", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+            "AWS_MAX_ATTEMPTS": "1"}, out
+
+
 
 def _ls_fds() -> list[str]:
     return sorted(os.listdir("/proc/self/fd"))
@@ -430,16 +444,9 @@ def test_listing_a_remote_for_a_rollback_runs_the_jobs_credential_process_as_its
     except ImportError:
         missing("s3fs is not installed (the snapshot extra)")
     ident = _user()
-    home, out = open_tmp / "home", open_tmp / "out"
-    (home / ".aws").mkdir(parents=True)
-    out.mkdir()
     creds = '{"Version": 1, "AccessKeyId": "a", "SecretAccessKey": "b"}'
-    (home / ".aws" / "config").write_text(
-        f"[default]\ncredential_process = /bin/sh -c \"id -u > {out}/uid; echo '{creds}'\"\n")
-    _give(home, ident)
-    _give(out, ident)
-    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
-           "AWS_MAX_ATTEMPTS": "1"}
+    env, out = _credential_home(open_tmp, ident, "/bin/sh -c \"id -u > {out}/uid; echo '"
+                                + creds + "'\"")
     with pytest.raises(ValueError):  # nothing listens there
         pull.steps("s3://bucket/run", timeout=60, env=env, ident=ident)
     assert (out / "uid").read_text().strip() == str(ident.uid)

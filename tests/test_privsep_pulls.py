@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import pytest
 from conftest import missing, pid_gone
-from test_privsep import _give, _user
+from test_privsep import _credential_home, _give, _user
 from trainwatch.actions import pull
 from trainwatch.privsep import child
 from trainwatch.privsep.hand import Hand
@@ -130,15 +130,7 @@ def test_pulls_and_listings_as_the_jobs_user_import_nothing_after_the_drop(
     assert p.done and p.error is None, p.error
     assert p.result == str(dest / "snapshot-5"), p.result
 
-    home, out = open_tmp / "home", open_tmp / "out"
-    (home / ".aws").mkdir(parents=True)
-    out.mkdir()
-    (home / ".aws" / "config").write_text(
-        f"[default]\ncredential_process = /bin/sh -c 'id -u > {out}/uid; exit 1'\n")
-    _give(home, ident)
-    _give(out, ident)
-    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
-           "AWS_MAX_ATTEMPTS": "1"}
+    env, out = _credential_home(open_tmp, ident, "/bin/sh -c 'id -u > {out}/uid; exit 1'")
     with pytest.raises(ValueError):  # the process says no: no credentials, once it ran
         pull.steps("s3://bucket/run", timeout=60, env=env, ident=ident)
     assert (out / "uid").read_text().strip() == str(ident.uid)
