@@ -27,6 +27,7 @@ anything a user wrote (``parse``)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -158,6 +159,31 @@ def _restart(base: str, gen: int) -> dict[str, Any]:
             "stacks": shared}
 
 
+def _make(base: str, d: str, decision: dict[str, Any]) -> bool:
+    """Restart folder ``d`` made with its decision in it, or False: another host's
+    was there first. Made aside and renamed into place, so that it never shows
+    without its decision: made in place and then written, a host that lost the race
+    read it in between (the write's fsync, on a loaded host) and, finding no
+    decision, restarted with no record of it (its incident not the group's)."""
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(d)}.", suffix=".tmp", dir=base)
+    try:
+        os.chmod(tmp, 0o755)
+        _write(tmp, "decision.json", decision)
+        try:
+            os.rename(tmp, d)  # over an empty folder only: never over another's decision
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            return False
+    finally:
+        if os.path.isdir(tmp):
+            with contextlib.suppress(OSError):
+                for name in os.listdir(tmp):
+                    os.unlink(os.path.join(tmp, name))
+                os.rmdir(tmp)
+
+
 def begin_in_hand(root: str, gen: int, host: str, decision: dict[str, Any],
                   claim: dict[str, Any] | None, scope: str | None = None) -> dict[str, Any]:
     """Restart ``gen`` (of ``scope``): made here (``won``) with this decision, or
@@ -166,13 +192,8 @@ def begin_in_hand(root: str, gen: int, host: str, decision: dict[str, Any],
     base = folder(root, scope)
     os.makedirs(base, mode=0o755, exist_ok=True)
     d = os.path.join(base, f"restart-{gen:08d}")
-    try:
-        os.mkdir(d, 0o755)
-        won = True
-    except FileExistsError:
-        won = False
+    won = _make(base, d, {**decision, "host": host, "gen": gen})
     if won:
-        _write(d, "decision.json", {**decision, "host": host, "gen": gen})
         path = decision.get("resume_path")
         _write(folder(root), TRACKER, f"{path if isinstance(path, str) else ''}\n")
     if claim is not None:
