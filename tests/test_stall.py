@@ -2,11 +2,13 @@
 the others block in their all-reduce, trainwatch decides nccl_stall within
 seconds (not PyTorch's 10 minutes), names rank 1, keeps both ranks' stacks,
 and relaunches the job from its last checkpoint to the end. With the client,
-and without it (output silence and idle CPU)."""
+and without it (output silence and idle CPU). And ranks that finished, their
+launcher still up, are no stall."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from conftest import Workspace, finish, wait_for
@@ -72,3 +74,17 @@ def test_a_stopped_rank_is_a_stall_without_the_client(ws: Workspace) -> None:
     evidence = json.loads(str(incident["evidence"]))
     assert evidence["client"] is False and evidence["decided_by"] == "process_state", evidence
     _stacks_of_both_ranks(ws, incident)
+
+
+def test_ranks_that_finished_while_their_launcher_lingers_are_no_stall(ws: Workspace) -> None:
+    """Both ranks beat their last step and exit 0; their launcher stays 8 s more (torchrun's
+    agent in its exit barrier, or shutting its store down on a loaded host). The ranks'
+    quiet is their end, not a stall: it was one 5 s in (the floor), and a finished group
+    job was restarted from its last checkpoint, a second incident at the end of the run."""
+    worker = shlex.join(ws.worker("--ranks", "2", "--steps", "60", "--interval", "0.05"))
+    p = ws.run(ws.config({"command": ["sh", "-c", f"{worker} && sleep 8"]}))
+    rc, out = finish(p, timeout=120)
+    assert rc == 0, out
+    assert ws.incidents() == [], out
+    assert ws.transitions()[-1] == "exited", out
+    assert "stall" not in out, out

@@ -95,6 +95,36 @@ def test_stall_cases(name: str, rs: tuple[RankView, ...], ps: dict[int, Proc], n
     assert f.onset == max(r.advanced_at for r in rs)  # the stall began at the last advance
 
 
+ENDED = [
+    # name, procs, ranks whose process ended, now, expected (kind, rank, decided_by) or None
+    ("every rank's process ended: the launcher lingers (its exit barrier), no stall",
+     {}, {0, 1}, 6.0, None),
+    ("every rank ended, long past the ceiling: still none", {}, {0, 1}, 300.0, None),
+    ("zombies waiting for their launcher have ended too",
+     procs((0, "Z", None), (1, "Z", None)), {0, 1}, 6.0, None),
+    ("one ended, the other idle: given until the ceiling (winding down after it)",
+     procs((1, "S", 0.0)), {0}, 6.0, None),
+    ("one ended, the other idle past the ceiling: it waits on a peer that left",
+     procs((1, "S", 0.0)), {0}, 31.0, (FaultKind.NCCL_STALL, 1, "step")),
+]
+
+
+@pytest.mark.parametrize("name, ps, ended, now, expected", ENDED, ids=[c[0] for c in ENDED])
+def test_a_rank_whose_process_ended_is_not_stalled(
+        name: str, ps: dict[int, Proc], ended: set[int], now: float,
+        expected: tuple[FaultKind, int | None, str] | None) -> None:
+    """Both ranks beat their last step and exited: their quiet is no stall (it was one
+    5 s in, while torchrun's agent finished on a loaded host: a second incident)."""
+    rs = ranks((0, 200, 0.0), (1, 199, 0.0)) if expected else ranks((0, 200, 0.0), (1, 200, 0.0))
+    f = detect("j", StallView(now, rs, 0.05, ps, ended=frozenset(ended)), S)
+    if expected is None:
+        assert f is None
+        return
+    assert f is not None
+    assert (f.kind, f.rank, f.evidence["decided_by"]) == expected
+    assert f.evidence["ranks_ended"] == sorted(ended)
+
+
 def test_a_gpu_fault_in_the_window_classes_the_stall_as_that_fault() -> None:
     """An Xid on the job's GPU while the ranks freeze: the incident is gpu_xid, the stall inside."""
     xid = Fault(FaultKind.GPU_XID, "j", 0.5, {"xid": 79}, gpu=3)

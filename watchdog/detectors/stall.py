@@ -16,7 +16,12 @@ This decides within seconds, from what trainwatch sees of every rank:
 - every rank busy on the CPU and none the odd one out is a long synchronous
   phase (an evaluation, a checkpoint save) until the ceiling: only then a stall;
 - a GPU fault on the job's GPUs in the same window wins: the incident is
-  classed as that fault (``gpu_xid``, ...), with the stall as its evidence.
+  classed as that fault (``gpu_xid``, ...), with the stall as its evidence;
+- a rank whose process has ended is not stalled, it exited (its exit is judged
+  as one: watch/exits.py, firstfailure.py): every rank ended is no stall at all
+  (a launcher lingering after its workers finished: torchrun's exit barrier, its
+  store's shutdown on a loaded host), and while one has, the others are given
+  until the ceiling (winding down after it, or waiting on a peer that left).
 
 ``detect_silent`` is the fallback for a job without the client: output silent
 for ``silence``, and every process idle (or stopped) at each sample since the
@@ -63,6 +68,7 @@ class StallView:
     procs: Mapping[int, Proc] = field(default_factory=dict)  # by rank
     gpu_faults: tuple[Fault, ...] = ()  # recent faults of the job's GPUs (gpu_*)
     gpus: Mapping[int, int] = field(default_factory=dict)  # rank -> GPU, where known
+    ended: frozenset[int] = frozenset()  # ranks whose process is gone (or a zombie)
 
 
 @dataclass(frozen=True)
@@ -151,6 +157,9 @@ def detect(job: str, v: StallView, s: StallSettings) -> Fault | None:
     quiet = v.now - since
     if quiet < t:
         return None
+    ended = sorted(r.rank for r in judges if r.rank in v.ended)
+    if len(ended) == len(judges) or (ended and quiet < s.ceiling):
+        return None
     steps = {r.rank: r.step for r in judges}
     rank, decided_by = name_rank(steps, v.procs, s.idle_cpu)
     procs = [v.procs.get(r.rank) for r in judges]
@@ -165,6 +174,8 @@ def detect(job: str, v: StallView, s: StallSettings) -> Fault | None:
     }
     if v.procs:
         evidence["processes"] = _procs_evidence(v.procs)
+    if ended:
+        evidence["ranks_ended"] = ended
     gpu = v.gpus.get(rank) if rank is not None else None
     onset_step = steps[rank] if rank is not None else min(steps.values())
     window = [f for f in v.gpu_faults if f.onset >= since - t]

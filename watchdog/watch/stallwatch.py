@@ -67,10 +67,15 @@ class StallWatch:
 def _view(r: Runner, now: float, sample: bool) -> StallView:
     w = r.stall
     snap = r.ranks.snapshot(now, _MIN_SAMPLES)
-    procs = w.sampler.sample(r.ranks.pids()) if sample else {}
+    pids = r.ranks.pids()
+    procs = w.sampler.sample(pids) if sample else {}
     gpus = r.attempt.gpus if r.attempt is not None else None
-    by_rank = {rank: gpus[rank % len(gpus)] for rank in r.ranks.pids()} if gpus else {}
-    return StallView(now, snap.ranks, snap.intervals_p99, procs, tuple(w.gpu_faults), by_rank)
+    by_rank = {rank: gpus[rank % len(gpus)] for rank in pids} if gpus else {}
+    # A sample leaves out a process that is gone; a zombie waits for its launcher.
+    ended = frozenset(rank for rank in pids if sample and (
+        rank not in procs or procs[rank].state in ("Z", "X")))
+    return StallView(now, snap.ranks, snap.intervals_p99, procs, tuple(w.gpu_faults), by_rank,
+                     ended)
 
 
 def _newest_advance(r: Runner) -> float | None:
