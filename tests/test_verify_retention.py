@@ -100,8 +100,15 @@ def test_a_checkpoint_retention_may_not_delete_is_said_once_not_at_every_refresh
                                      "keep": {"last": 1}}})
     rc, out = finish(ws.run(cfg), timeout=90)
     assert rc == 0, out
-    said = [ln for ln in out.splitlines() if "could not delete checkpoint step" in ln]
-    # step_3 is what the job resumed from: kept while that attempt lives, never tried.
-    assert sorted(ln.split("checkpoint step ")[1].split(":")[0] for ln in said) == \
-        ["1", "2"], said
+    lines = out.splitlines()
+    ended = next(i for i, ln in enumerate(lines) if "-> exited" in ln)
+    said = [(i, ln.split("checkpoint step ")[1].split(":")[0]) for i, ln in enumerate(lines)
+            if "could not delete checkpoint step" in ln]
+    steps = [s for _, s in said]
+    assert sorted(set(steps)) == sorted(steps), said  # each refusal said once
+    # step_3 is what the job resumed from: kept while that attempt lives, never tried. The
+    # last pass, after the job ended, may try it (on a loaded host the newest checkpoint is
+    # judged only then): no attempt resumes from it any more, and its refusal is said once.
+    assert {"1", "2"} <= set(steps) <= {"1", "2", "3"}, said
+    assert all(i > ended for i, s in said if s == "3"), said
     assert all((ws.ckpt / f"step_{s}").is_symlink() for s in (1, 2, 3))
