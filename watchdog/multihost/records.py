@@ -14,8 +14,9 @@ so that a new sbatch of the same training (a new job id, restarts from 0 again)
 never reads an old job's restart-N; the ``resume-from`` tracker stays where it
 is, one per checkpoint folder. Without a scope (None), the layout above.
 
-The first host to act on a fault makes the restart's folder (``mkdir``: of
-many hosts acting at once, one wins) and writes the decision; every host that
+The first host to act on a fault makes the restart's folder with its decision
+in it (made aside and renamed into place: of many hosts acting at once, one
+wins, and none sees the folder without its decision); every host that
 saw a fault of its own adds its claim, so that where the restart began is the
 earliest claim, not whichever host was quickest to write. The number is the
 group's restart count, which every host reads and so agrees on.
