@@ -100,6 +100,41 @@ def test_a_nul_byte_is_one_line_and_exit_2_from_every_command(
     assert result.stdout == ""
 
 
+@pytest.mark.parametrize("verb", ["check-config", "run", "daemon"])
+def test_a_metrics_address_that_does_not_resolve_is_one_line_and_exit_2(
+        short_tmp: Path, verb: str) -> None:
+    """`metrics.address: nosuchhost.invalid` was ok to check-config, and the daemon then
+    exited with a 35-line double traceback (the resolver's error, then the scheduler
+    closed before it was made). Now one line from every command, exit 2."""
+    path = short_tmp / "trainwatch.yaml"
+    path.write_text(_with_dirs(short_tmp, "metrics: {address: nosuchhost.invalid}\n"
+                                          "gpu: {backend: off}\njobs: []\n"))
+    args = {"check-config": ["check-config", str(path)],
+            "run": ["run", "--config", str(path), "--metrics-port", "0"],
+            "daemon": ["daemon", "--config", str(path)]}[verb]
+    result = _cli(*args)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(
+        f"trainwatch: {path}: metrics.address: expected an address to listen on: an IP such "
+        "as 127.0.0.1, or a name that resolves ("), result.stderr
+    assert result.stderr.endswith("), got 'nosuchhost.invalid'\n"), result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_a_metrics_address_the_daemon_cannot_listen_on_is_one_line_and_exit_2(
+        short_tmp: Path) -> None:
+    """An address that resolves but is not this host's (TEST-NET-1): the bind fails at
+    start, and the daemon closes what it opened and says so in one line."""
+    path = short_tmp / "trainwatch.yaml"
+    path.write_text(_with_dirs(short_tmp, "metrics: {address: 192.0.2.1, port: 9}\n"
+                                          "gpu: {backend: off}\njobs: []\n"))
+    result = _cli("daemon", "--config", str(path))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("trainwatch: metrics: cannot listen on 192.0.2.1:9: "), \
+        result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
 def test_a_reload_of_a_file_with_a_nul_byte_keeps_the_old_config(short_tmp: Path) -> None:
     """SIGHUP and `trainwatch reload` after a NUL is written: one log line each naming the
     file and position, no traceback; the daemon goes on serving."""

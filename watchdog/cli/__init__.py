@@ -81,9 +81,11 @@ def _natural(text: str) -> int:
 
 
 def _address(text: str) -> str:
-    if not text or "\0" in text:
-        raise argparse.ArgumentTypeError(f"expected an address such as 127.0.0.1, got {text!r}")
-    return text
+    try:
+        return fields.address(text)
+    except (TypeError, ValueError) as e:
+        why = e.expected if isinstance(e, fields.Refused) else fields.ADDRESS
+        raise argparse.ArgumentTypeError(f"expected {why}, got {fields.show(text)}") from None
 
 
 def _port(text: str) -> int:

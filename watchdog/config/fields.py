@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import socket
 from typing import Any
 
 from trainwatch.multihost.torchrun import parse_nodes  # pure: it imports nothing of config
@@ -259,6 +260,18 @@ def host(v: object) -> str:
     return v
 
 
+def address(v: object) -> str:
+    """An address to listen on: a literal IP, or a name that resolves now (else the
+    exporter's bind failed at start with a resolver error, after the config said ok)."""
+    v = text(v)
+    try:
+        socket.getaddrinfo(v, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        why = e.strerror if isinstance(e, socket.gaierror) else "not a host name"
+        raise Refused(f"{ADDRESS} ({why})", v) from None
+    return v
+
+
 def nodes(v: object) -> tuple[int, int]:
     """A job's span across hosts: N or "MIN:MAX", as torchrun's --nnodes."""
     if isinstance(v, int) and not isinstance(v, bool):
@@ -325,6 +338,7 @@ POSITIVE_NUMBER = "a finite number > 0"
 USER = f"a user name, or a uid from 0 to {MAX_ID}"
 GROUP = f"a group name, or a gid from 0 to {MAX_ID}"
 RANKS = f"an integer from 1 to {MAX_RANKS} (the job's world size), or null"
+ADDRESS = "an address to listen on: an IP such as 127.0.0.1, or a name that resolves"
 HOST = "a host name of 1-64 letters, digits, '.', '_', '-'"
 NODES = ('a host count N or "MIN:MAX" (torchrun\'s --nnodes; 1 <= MIN <= MAX, quoted or'
          ' not)')
@@ -350,6 +364,7 @@ CHECKS: dict[str, Any] = {
     "auto, nvml, sim or off": backend,
     LAYOUT: layout,
     HOST: host,
+    ADDRESS: address,
     NODES: nodes,
     REMOTE: remote,
 }

@@ -381,7 +381,7 @@ def from_mapping(raw: object, source: str = "<config>") -> Config:
         jobs=jobs,
         policies=policies,
         metrics=Metrics(
-            address=r.get(mm, "address", "metrics", _STR, Metrics.address),
+            address=r.get(mm, "address", "metrics", fields.ADDRESS, Metrics.address),
             port=r.get(mm, "port", "metrics", "a port number 1-65535, or 0 for off",
                        Metrics.port),
         ),

@@ -49,16 +49,18 @@ class Daemon(Supervisor):
         self._host = host  # --host: it outlives a reload of the file
         if host is not None:
             config = replace(config, host=host)
-        super().__init__(config)
+        # Before the supervisor's start: one that fails (the exporter's address) closes
+        # the daemon, and close() shuts the scheduler down.
         self.scheduler = BackgroundScheduler(
             job_defaults={"max_instances": 1, "coalesce": True, "misfire_grace_time": None},
             timezone="UTC")
+        self.registry = None
+        super().__init__(config)
         self.scheduler.add_job(self._locked(self.reap_strays), "interval",
                                seconds=5.0, id="reap")
         self._status_at = 0.0
         self._ended_at: dict[str, float] = {}  # attached jobs that ended: when (forget_after)
         # Ranks of Slurm jobs attach over the control socket (slurm/attach.py).
-        self.registry = None
         self.readopt: readopt.Readopt | None = None
         if config.slurm is not None:
             slurm = slurmwatch.command(config.slurm)
