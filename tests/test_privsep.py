@@ -351,33 +351,50 @@ def _become_other(ident: Identity) -> str:
     return "ran"
 
 
-def test_sparse_dumps_are_copied_as_their_data_and_bounded_per_incident(open_tmp: Path) -> None:
-    """Eight sparse 255 MiB dump files with 9 MiB of data each: read as the job's user,
-    written into root's folder as sparse files, at most 64 MiB of data in all, and the
-    limit hit is said."""
-    ident = _user()
+def _sparse_dumps(open_tmp: Path, ident: Identity, size: int, data: int) -> tuple[
+        list[str], dict[str, Any], Path, Path]:
+    """Eight sparse dumps of ``size`` bytes with ``data`` bytes written 1 MiB in, read
+    as the job's user and written into root's folder: (copied, the hand's reply, the
+    job's folder, root's)."""
     fr = open_tmp / "fr"
     fr.mkdir()
     for i in range(8):
         with open(fr / f"nccl_trace_rank_{i}", "wb") as f:
-            f.truncate(255 << 20)
-            f.seek(100 << 20)
-            f.write(os.urandom(9 << 20))
+            f.truncate(size)
+            f.seek(1 << 20)
+            f.write(os.urandom(data))
     _give(fr, ident)
     dest = open_tmp / "state" / "flight-recorder"
     hand = Hand("t", ident)
     try:
-        got, data = hand.call_blobs(flightrecorder.dumps, str(fr), [], 1.0, timeout=120,
-                                    max_reply=flightrecorder.MAX_TOTAL + (1 << 20))
+        got, blobs = hand.call_blobs(flightrecorder.dumps, str(fr), [], 1.0, timeout=120,
+                                     max_reply=flightrecorder.MAX_TOTAL + (1 << 20))
     finally:
         hand.close()
-    copied, _ = flightrecorder.write(dest, got, data)
-    assert 0 < len(copied) < 8 and got["limited"] == 8 - len(copied)
-    on_disk = sum(p.stat().st_blocks * 512 for p in dest.iterdir())
-    assert on_disk <= flightrecorder.MAX_TOTAL + (1 << 20)
-    assert all(p.stat().st_size == 255 << 20 for p in dest.iterdir())
-    first = (dest / copied[0]).read_bytes()
-    assert first == (fr / copied[0]).read_bytes()
+    copied, _ = flightrecorder.write(dest, got, blobs)
+    return copied, got, fr, dest
+
+
+def test_sparse_dumps_are_copied_as_their_data_and_bounded_per_incident(open_tmp: Path) -> None:
+    """Eight sparse 12 MiB dump files with 1 MiB of data each: read as the job's user,
+    written into root's folder as sparse files (1 MiB of disk each), at most 64 MiB of
+    apparent size in all (five of them), and the limit hit is said for the others."""
+    copied, got, fr, dest = _sparse_dumps(open_tmp, _user(), 12 << 20, 1 << 20)
+    assert len(copied) == 5 and got["limited"] == 3, got["errors"]
+    assert all("holes count" in e for e in got["errors"]), got["errors"]
+    assert sorted(p.name for p in dest.iterdir()) == sorted(copied)
+    assert all(p.stat().st_size == 12 << 20 and p.stat().st_blocks * 512 <= 2 << 20
+               for p in dest.iterdir())
+    assert (dest / copied[0]).read_bytes() == (fr / copied[0]).read_bytes()
+
+
+def test_sparse_dumps_of_a_huge_apparent_size_are_not_copied(open_tmp: Path) -> None:
+    """Eight sparse 255 MiB dumps with 9 MiB of data each: copied sparse, they were 7 MiB
+    of disk but 1.8 GiB of apparent size, which a backup that does not keep holes writes
+    out in full. Not one is copied now, and each is said."""
+    copied, got, _, dest = _sparse_dumps(open_tmp, _user(), 255 << 20, 9 << 20)
+    assert copied == [] and got["limited"] == 8, got
+    assert not dest.exists() or not any(dest.iterdir())
 
 
 def _leave() -> None:

@@ -47,9 +47,10 @@ from trainwatch.state.atomic import FILE_MODE, makedirs
 
 PREFIX = "nccl_trace_rank_"
 BUFFER_SIZE = 2000
-MAX_COPY = 256 << 20  # a dump of 2,000 entries is a few MiB; this skips a runaway file
-# Root's state_dir takes at most this much data of dumps per incident (holes are
-# not data), from at most MAX_FILES entries of the folder.
+# Root's state_dir takes at most this much of dumps per incident, by apparent size
+# (a dump of 2,000 entries is a few MiB): the holes of a sparse dump are kept as
+# holes, but a backup or copy that does not keep them writes them out, and eight
+# sparse 255 MiB dumps were 2 GiB of an incident. From at most MAX_FILES entries.
 MAX_TOTAL = 64 << 20
 MAX_FILES = 1024
 _PIPE = re.compile(r"(\d+)\.pipe$")
@@ -179,12 +180,12 @@ def wait_dumps(triggers: list[Trigger], silent: Collection[int], deadline: float
     return True
 
 
-def dumps(fr_dir: str, silent: list[int], seconds: float, max_file: int = MAX_COPY,
+def dumps(fr_dir: str, silent: list[int], seconds: float,
           max_total: int = MAX_TOTAL) -> Blobs:
     """In the job's hand (privsep), as its user: trigger every dump pipe, wait for
     the dumps (ranks in ``silent`` are not waited for) at most ``seconds``, and
     read the regular files of ``fr_dir``: their data only (holes skipped), at
-    most ``max_file`` bytes a file and ``max_total`` in all, ``MAX_FILES`` files."""
+    most ``max_total`` bytes of apparent size in all, ``MAX_FILES`` files."""
     out: dict[str, Any] = {"pipes": [], "files": [], "errors": [], "deadline_hit": False,
                            "limited": 0}
     try:
@@ -213,23 +214,17 @@ def dumps(fr_dir: str, silent: list[int], seconds: float, max_file: int = MAX_CO
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 continue
-            if st.st_size > max_file:
-                out["errors"].append(f"{name}: {st.st_size} bytes, over {max_file}: not copied")
-                out["limited"] += 1
-                continue
-            extents = _extents(fd, st.st_size)
-            data = sum(n for _, n in extents)
-            if total + data > max_total:
-                out["errors"].append(f"{name}: {data} bytes of data would pass the {max_total} "
-                                     "bytes copied per incident: not copied")
+            if total + st.st_size > max_total:
+                out["errors"].append(f"{name}: {st.st_size} bytes would pass the {max_total} "
+                                     "bytes copied per incident (holes count): not copied")
                 out["limited"] += 1
                 continue
             segments = []
-            for off, n in extents:
+            for off, n in _extents(fd, st.st_size):
                 chunk = os.pread(fd, n, off)
                 segments.append([off, len(chunk), len(blobs)])
                 blobs.append(chunk)
-                total += len(chunk)
+            total += st.st_size
             out["files"].append({"name": name, "size": st.st_size, "segments": segments})
         except OSError as e:
             out["errors"].append(f"{name}: {e.strerror or e}")
@@ -262,7 +257,7 @@ def write(dest: Path, got: Any, blobs: list[bytes]) -> tuple[list[str], list[str
     copied: list[str] = []
     errors: list[str] = []
     # Root's own bound on what it writes (the hand's may not have held): each
-    # blob once, MAX_TOTAL bytes of data in all, MAX_FILES files.
+    # blob once, MAX_TOTAL bytes of apparent size in all, MAX_FILES files.
     used: set[int] = set()
     written = 0
     files = got.get("files") if isinstance(got, dict) else None
@@ -270,10 +265,14 @@ def write(dest: Path, got: Any, blobs: list[bytes]) -> tuple[list[str], list[str
         name, size, segs = (f.get(k) for k in ("name", "size", "segments")) \
             if isinstance(f, dict) else (None, None, None)
         if not (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
-                and "\0" not in name and isinstance(size, int) and 0 <= size <= MAX_COPY
+                and "\0" not in name and isinstance(size, int) and 0 <= size <= MAX_TOTAL
                 and isinstance(segs, list)):
             errors.append("a dump the hand described badly: skipped")
             continue
+        if written + size > MAX_TOTAL:
+            errors.append(f"{name}: past the {MAX_TOTAL} bytes copied per incident")
+            continue
+        written += size
         try:
             makedirs(dest)
             fd = os.open(dest / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
@@ -283,10 +282,7 @@ def write(dest: Path, got: Any, blobs: list[bytes]) -> tuple[list[str], list[str
                     if not (off >= 0 and off + n <= size and 0 <= i < len(blobs)
                             and len(blobs[i]) == n and i not in used):
                         raise ValueError("a segment outside the file")
-                    if written + n > MAX_TOTAL:
-                        raise ValueError(f"past the {MAX_TOTAL} bytes copied per incident")
                     used.add(i)
-                    written += n
                     os.pwrite(fd, blobs[i], off)
                 os.ftruncate(fd, size)
             finally:
