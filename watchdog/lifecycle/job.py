@@ -48,12 +48,11 @@ from trainwatch.state.ledger import Ledger
 from trainwatch.types import (
     TRANSITIONS,
     Beat,
-    CheckpointReport,
     Fault,
     JobState,
     ProcessExit,
 )
-from trainwatch.watch import anomalies, exits, live, refusals, stallwatch
+from trainwatch.watch import anomalies, exits, live, reports, stallwatch
 from trainwatch.watch.anomalies import LossFeed
 from trainwatch.watch.firstfailure import FirstFailure
 from trainwatch.watch.gpuwatch import GpuWatch
@@ -144,7 +143,7 @@ class JobRunner:
         self.restarts = 0  # relaunches, every attempt after the first
         self.drill: DrillNotice | None = None
         self.exit_handled = -1  # the attempt whose leader's exit has been acted on
-        self.refused = refusals.Refusals()  # checkpoint reports the catalog refused
+        self.refused = reports.Refusals()  # checkpoint reports the catalog refused
         self.over_cap_before = 0  # beats of ranks beyond the cap, in earlier attempts
         self.output_dropped_before = 0  # bytes of output lost by earlier attempts
         self.published_step: int | None = None
@@ -153,7 +152,7 @@ class JobRunner:
         ident = credentials.resolve(job.user, job.group)
         self.intake = Intake(job.name, self.socket_path, selector, self._believe, clock,
                              (ident.uid, ident.gid) if ident else None,
-                             self._on_beats, self._on_report,
+                             self._on_beats, lambda obs: reports.on_report(self, obs),
                              max_rings=2 * job.heartbeat.max_ranks, poll_every=self.grid)
         self.socket = self.intake.socket
         self.first_failure = FirstFailure(selector, clock, 2 * job.heartbeat.max_ranks)
@@ -247,18 +246,6 @@ class JobRunner:
         # one that has beaten stays believed once gone (a loaded loop reads it late)
         return a is not None and (a.tree.owns(pid, uid) or self.ranks.beat_from(pid)) \
             and not group.of_rounds_before(self, pid)
-
-    def _on_report(self, obs: CheckpointReport) -> None:
-        # A checkpoint written again at a quarantined step is new, if this attempt
-        # (one resumed from before the rollback) wrote it; not one being stopped.
-        running = self.state in (JobState.STARTING, JobState.RUNNING)
-        health = self.anomalies.health() if running else None
-        if not self.catalog.report(obs.step, obs.path, replaces_quarantined=running,
-                                   health=health):
-            refusals.refused(self, obs)  # counted by reason, the first of each said
-            return
-        self.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
-        log.info("job %s: checkpoint step %d complete: %s", self.job.name, obs.step, obs.path)
 
     def _on_beats(self, beats: Sequence[Beat]) -> None:
         """Beats in the order they were sent (a ring's batch, or one datagram)."""

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from trainwatch.watch.gpuwatch import GpuWatch
     from trainwatch.watch.intake import Intake
     from trainwatch.watch.logwatch import LogWatch
-    from trainwatch.watch.refusals import Refusals
+    from trainwatch.watch.reports import Refusals
     from trainwatch.watch.stallwatch import StallWatch
 
 
@@ -102,6 +102,7 @@ class Runner(JobParts, Protocol):
     def outages(self) -> Goodput: ...
     @property
     def checkpoints(self) -> Summary: ...  # the exporter's, refreshed by job.py
+    checkpoints_at: float  # when that summary is refreshed next (0: at the next tick)
 
     # --- where it stands: the actions change these -----------------------------
     attempt: Attempt | None

@@ -1,8 +1,9 @@
-"""Checkpoint reports the catalog refused (state/catalog.py ``REFUSALS``): each
-one counted by its reason (``trainwatch_job_checkpoint_reports_refused_total``),
-the first of each reason said in one line naming the configured folder, and the
-newest kept, so that a launch from scratch can say what the job reported
-(actions/fresh.py): a mistyped ``checkpoints.dir`` refuses every report."""
+"""A job's checkpoint reports (``hb.checkpoint(step, path)``): taken into the
+catalog, or refused (state/catalog.py ``REFUSALS``): each refusal counted by its
+reason (``trainwatch_job_checkpoint_reports_refused_total``), the first of each
+reason said in one line naming the configured folder, and the newest kept, so
+that a launch from scratch can say what the job reported (actions/fresh.py): a
+mistyped ``checkpoints.dir`` refuses every report."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trainwatch.types import CheckpointReport
+from trainwatch.types import CheckpointReport, JobState
 
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.runner import JobParts
+    from trainwatch.lifecycle.runner import JobParts, Runner
 
 log = logging.getLogger("trainwatch")
 
@@ -53,3 +54,17 @@ def refused(r: JobParts, obs: CheckpointReport) -> None:
         log.warning("job %s: refused a checkpoint report (%s): step %d, %.200s; every "
                     "refused report is counted (trainwatch_job_checkpoint_reports_refused_total)",
                     r.job.name, why, obs.step, obs.path)
+
+
+def on_report(r: Runner, obs: CheckpointReport) -> None:
+    """The job reported a complete checkpoint."""
+    # A checkpoint written again at a quarantined step is new, if this attempt
+    # (one resumed from before the rollback) wrote it; not one being stopped.
+    running = r.state in (JobState.STARTING, JobState.RUNNING)
+    health = r.anomalies.health() if running else None
+    if not r.catalog.report(obs.step, obs.path, replaces_quarantined=running,
+                            health=health):
+        refused(r, obs)  # counted by reason, the first of each said
+        return
+    r.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
+    log.info("job %s: checkpoint step %d complete: %s", r.job.name, obs.step, obs.path)
