@@ -333,15 +333,19 @@ def test_catalog_never_deletes_or_modifies_checkpoints(ckpt_dir: Path, state: Pa
 
 
 def test_a_flood_of_reports_is_bounded_and_written_once_a_second(
-    ckpt_dir: Path, state: Path
+    ckpt_dir: Path, state: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """4,000 reports: the refused ones (outside the dir, too long) are said so, the newest
     MAX_REPORTS are kept, and the state file is rewritten once per SAVE_EVERY, not per report."""
+    from trainwatch.state import catalog
     from trainwatch.state.catalog import MAX_PATH, MAX_REPORTS
 
+    monkeypatch.setattr(catalog, "LOOKS_BURST", 1e9)  # each looked for: that bound is below
     cat = _catalog(ckpt_dir, state)
     assert not cat.report(1, "/elsewhere/step_1")
     assert not cat.report(1, str(ckpt_dir / ("x" * MAX_PATH)))
+    for step in range(4000):
+        (ckpt_dir / f"step_{step}").touch()  # a report is looked for
     for step in range(4000):
         assert cat.report(step, str(ckpt_dir / f"step_{step}"))
     assert len(cat.reported) == MAX_REPORTS and min(cat.reported) == 4000 - MAX_REPORTS
@@ -350,6 +354,25 @@ def test_a_flood_of_reports_is_bounded_and_written_once_a_second(
     cat.flush(force=True)
     on_disk = Catalog(Checkpoints(dir=str(ckpt_dir)), state, owner=cat.owner)
     assert on_disk.reported == cat.reported
+
+
+def test_reports_are_looked_for_at_a_bounded_rate_and_one_with_nothing_there_refused(
+    ckpt_dir: Path, state: Path
+) -> None:
+    """A report with nothing at its path is refused as missing (it was taken, and logged
+    as a complete checkpoint); past LOOKS_BURST at once, reports are refused unlooked
+    (each look is a call to the job's hand), and looked for again as time passes."""
+    from trainwatch.state import catalog
+
+    now = [100.0]
+    cat = Catalog(Checkpoints(dir=str(ckpt_dir)), state, clock=lambda: now[0])
+    assert not cat.report(1, str(ckpt_dir / "step_1")) and cat.refusal == "missing"
+    (ckpt_dir / "step_2").touch()
+    took = [cat.report(2, str(ckpt_dir / "step_2")) for _ in range(200)]
+    assert took.count(True) == catalog.LOOKS_BURST - 1 and cat.refusal == "too_many"
+    now[0] += 1.0
+    took = [cat.report(2, str(ckpt_dir / "step_2")) for _ in range(200)]
+    assert took.count(True) == catalog.LOOKS_PER_S
 
 
 def test_a_report_is_written_without_fsync_and_a_bad_mark_or_resume_with_it(

@@ -316,7 +316,9 @@ def test_a_job_folder_with_the_jobs_group_is_readable_by_its_user_and_no_one_els
         assert stat.S_IMODE((ws.state / "jobs").stat().st_mode) == 0o711
         assert status.publish(ws.state, "job", {"state": "running"})
         cat = Catalog(Checkpoints(dir=str(ws.ckpt)), d / "catalog.json")
-        cat.report(10, str(ws.ckpt / "step_10"))
+        ws.ckpt.mkdir(exist_ok=True)
+        (ws.ckpt / "step_10").write_text("10")  # a report is looked for
+        assert cat.report(10, str(ws.ckpt / "step_10"))
         for name in ("status.json", "catalog.json"):
             f = d / name
             assert (stat.S_IMODE(f.stat().st_mode), f.stat().st_gid) == (0o640, gid), name

@@ -158,3 +158,46 @@ def test_a_multi_line_message_and_its_traceback_stay_on_one_line() -> None:
         obj = _format(msg="job j: two\nlines", exc_info=True)
     assert obj["job"] == "j" and obj["event"] == "two\nlines"
     assert "ValueError: boom" in obj["exc"]
+
+
+FORGED = "2026-12-02T01:00:00.000+00:00 trainwatch: job victim: FORGED restart budget spent"
+
+
+def test_a_users_text_never_starts_a_line_of_the_text_log(ws: Workspace) -> None:
+    """A job reports a checkpoint whose path carries a newline and a forged line of
+    trainwatch's, then one with nothing there: the text log (the default) has neither
+    as a line of its own nor as a complete checkpoint (both were: the forged line as a
+    line of root's); both are refused as missing, the first shown escaped on the
+    refusal's line. A real one is still taken."""
+    script = ws.root / "forger.py"
+    script.write_text(
+        "import os, sys\nfrom trainwatch import client\n"
+        "ck = sys.argv[1]\nhb = client.connect()\nhb.beat(1)\n"
+        f"hb.checkpoint(5, ck + '/step_5\\n{FORGED} \\x1b[2J')\n"
+        "hb.checkpoint(6, ck + '/step_6')\n"
+        "open(ck + '/step_7', 'w').write('7')\nhb.checkpoint(7, ck + '/step_7')\nhb.beat(8)\n")
+    cfg = ws.config({"command": [sys.executable, str(script), str(ws.ckpt)],
+                     "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}"}})
+    rc, out, err = _run(ws, cfg)
+    assert rc == 0 and out == "", err[-3000:]
+    lines = err.splitlines()
+    assert all(TEXT_LINE.match(x) for x in lines), err
+    assert not any(x.startswith(FORGED[:29]) or "\x1b" in x for x in lines), err
+    assert "checkpoint step 5 complete" not in err and "checkpoint step 6 complete" not in err
+    assert "checkpoint step 7 complete" in err, err
+    # Refused as missing (the first of a reason is said, the rest counted): step 6 too.
+    assert any("refused a checkpoint report (nothing there, looked for as the job's user): "
+               f"step 5, {ws.ckpt}/step_5\\n{FORGED} \\x1b[2J;" in x for x in lines), err
+
+
+def test_the_text_format_shows_control_characters_as_escapes() -> None:
+    """cescape: C0 and C1 controls, DEL and the Unicode line separators, one line."""
+    from trainwatch.cli.logformat import IsoFormatter, cescape
+
+    assert cescape("a\nb\rc\td\x1b[31me\x7ff\x85g\u2028h\u2029i") == \
+        "a\\nb\\rc\\td\\x1b[31me\\x7ff\\x85g\\u2028h\\u2029i"
+    assert cescape("plain: /ck/step_5 (ünïcode)") == "plain: /ck/step_5 (ünïcode)"
+    record = logging.LogRecord("t", logging.WARNING, __file__, 1, "job %s: host %s", ("j", "h\nX"),
+                               None)
+    line = IsoFormatter("%(asctime)s trainwatch: %(message)s").format(record)
+    assert "\n" not in line and line.endswith("trainwatch: job j: host h\\nX"), line

@@ -100,6 +100,23 @@ def test_what_root_believes_of_a_record_is_checked(
             rec.kind) == believed
 
 
+def test_a_host_or_kind_in_a_record_is_believed_only_as_config_would_take_it(
+        tmp_path: Path) -> None:
+    """A host name with a newline (and a forged log line after it) in a decision or a
+    claim, or a kind that is no fault's name: '?' in root's view, never its text."""
+    forged = "hB\n2026-12-02T01:00:00.000+00:00 trainwatch: job v: FORGED"
+    d = tmp_path / records.FOLDER / "restart-00000001"
+    d.mkdir(parents=True)
+    (d / "decision.json").write_text(json.dumps({**_decision(), "host": forged,
+                                                 "leaves": forged, "kind": "crash\nX"}))
+    (d / "claim-hB.json").write_text(json.dumps({"host": forged, "kind": "hang\nY",
+                                                 "rank": 1, "at": 99.0}))
+    rec = records.parse(records.newest_in_hand(str(tmp_path), 0))
+    assert rec is not None
+    assert (rec.host, rec.began, rec.leaves, rec.kind) == ("?", "? rank 1", None, "?")
+    assert rec.claims == (("?", "?", 1, 99.0),)
+
+
 def test_a_record_that_is_a_link_or_too_large_or_not_json_is_not_read(tmp_path: Path) -> None:
     """A decision that is a symlink, over 16 KiB, or not JSON: no restart believed."""
     base = tmp_path / records.FOLDER

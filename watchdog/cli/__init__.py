@@ -9,13 +9,12 @@ import shlex
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
-from datetime import datetime
 from typing import Any, NoReturn
 
 from trainwatch import __version__
 from trainwatch.cli import commands
 from trainwatch.cli.logformat import FORMATS as LOG_FORMATS
-from trainwatch.cli.logformat import JsonFormatter
+from trainwatch.cli.logformat import IsoFormatter, JsonFormatter
 from trainwatch.config import (
     ConfigError,
     Job,
@@ -93,16 +92,6 @@ def _port(text: str) -> int:
     if n > 65535:
         raise argparse.ArgumentTypeError(f"expected a port number 0-65535, got {text!r}")
     return n
-
-
-class IsoFormatter(logging.Formatter):
-    """Timestamps in ISO 8601 with milliseconds and the UTC offset, as journald,
-    Loki and a reader in another time zone can all place without guessing:
-    ``2026-11-23T21:30:00.123+00:00 trainwatch: ...``."""
-
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        when = datetime.fromtimestamp(record.created).astimezone()
-        return when.isoformat(timespec="milliseconds")
 
 
 def _setup_logging(quiet: bool = False, log_format: str = "text") -> None:

@@ -1,7 +1,14 @@
-"""``--log-format json``: trainwatch's log as one JSON object per line, for hosts
-without journald (a container, runit, a log shipper reading stderr).
+"""trainwatch's log lines on stderr: text (the default) or, with ``--log-format
+json``, one JSON object per line, for hosts without journald (a container, runit,
+a log shipper reading stderr).
 
-Each line holds ``time`` (ISO 8601 in UTC with milliseconds, the text format's
+Text: ``2026-11-23T21:30:00.123+00:00 trainwatch: ...``, one line per record. A
+message carries text a job's user wrote (a reported path, a host name in a group
+record, a matched output line), so its control characters are shown as escapes
+(``\n``, ``\x1b``, as systemd's ``cescape()``): no user's text ever starts a line
+of root's own. A traceback, root's, follows its line as it is.
+
+JSON: each line holds ``time`` (ISO 8601 in UTC with milliseconds, the text format's
 timestamp), ``level`` (``info``, ``warning``, ...), ``logger``, ``job`` (the job the
 message is about, else null), ``event`` (the message) and ``fields`` (the record's
 structured extras, ``{}`` when none); ``exc`` and ``stack`` only when the record
@@ -16,6 +23,7 @@ so that strict parsers (jq) read every line.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -50,6 +58,36 @@ def _plain(value: object, depth: int = 0) -> object:
 def utc_time(created: float) -> str:
     """``2026-11-23T21:30:00.123+00:00``: the text format's timestamp, in UTC."""
     return datetime.fromtimestamp(created, tz=timezone.utc).isoformat(timespec="milliseconds")
+
+
+# C0 and C1 controls, DEL, and what a reader may take for a line break.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(m: re.Match[str]) -> str:
+    c = m.group()
+    return _NAMED.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
+def cescape(text: str) -> str:
+    """``text`` on one line: each control character as its escape."""
+    return _CONTROL.sub(_escape, text)
+
+
+class IsoFormatter(logging.Formatter):
+    """Timestamps in ISO 8601 with milliseconds and the UTC offset, as journald,
+    Loki and a reader in another time zone can all place without guessing; the
+    message on one line (``cescape``)."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        when = datetime.fromtimestamp(record.created).astimezone()
+        return when.isoformat(timespec="milliseconds")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        one = copy.copy(record)  # the record is shared with any other handler
+        one.message = cescape(record.message)
+        return super().formatMessage(one)
 
 
 class JsonFormatter(logging.Formatter):

@@ -303,7 +303,7 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
 
 
 def run_demo(seed: int = 7, keep: bool = False) -> int:
-    from trainwatch.cli import IsoFormatter
+    from trainwatch.cli.logformat import IsoFormatter
 
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(IsoFormatter("%(asctime)s %(message)s"))

@@ -307,6 +307,22 @@ def _str(x: object, n: int = 256) -> str | None:
     return x if isinstance(x, str) and len(x) <= n else None  # never a cut path
 
 
+_HOST = re.compile(r"[A-Za-z0-9._-]{1,64}")  # as config's host: (fields.HOST_RE)
+
+
+def _host(x: object) -> str | None:
+    """A host's name as config takes one: a record's is the user's text (a newline in
+    it made a line of root's log of its own)."""
+    return x if isinstance(x, str) and _HOST.fullmatch(x) else None
+
+
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")  # a fault kind's name (types.FaultKind)
+
+
+def _kind(x: object) -> str | None:
+    return x if isinstance(x, str) and _KIND.fullmatch(x) else None
+
+
 def _int(x: object) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 else None
 
@@ -319,7 +335,7 @@ def _time(x: object) -> float | None:
 def _shared(raw: object) -> tuple[tuple[str, dict[str, Any]], ...]:
     out: list[tuple[str, dict[str, Any]]] = []
     for s in raw if isinstance(raw, list) else []:
-        host = _str(s.get("host"), 64) if isinstance(s, dict) else None
+        host = _host(s.get("host")) if isinstance(s, dict) else None
         ranks = s.get("ranks") if isinstance(s, dict) else None
         if host is not None and isinstance(ranks, list):
             out += [(host, line) for line in ranks[:64] if isinstance(line, dict)]
@@ -337,7 +353,7 @@ def parse(raw: object) -> Restart | None:
     window = None
     if isinstance(skip, list) and len(skip) == 2 and all(_int(s) is not None for s in skip):
         window = (int(skip[0]), int(skip[1]))
-    host = _str(decision.get("host"), 64) or "?"
+    host = _host(decision.get("host")) or "?"
     claims = [c for c in raw.get("claims") or [] if isinstance(c, dict)]
     claims = [c for c in claims if _time(c.get("at")) is not None]
     # A claim of a rank that failed because another did is no place to begin.
@@ -348,16 +364,16 @@ def parse(raw: object) -> Restart | None:
         resume_step=_int(decision.get("resume_step")),
         resume_path=_str(decision.get("resume_path"), 4096),
         skip=window,
-        kind=_str(first.get("kind"), 64) or _str(decision.get("kind"), 64) or "?",
-        began_host=_str(first.get("host"), 64) or host,
+        kind=_kind(first.get("kind")) or _kind(decision.get("kind")) or "?",
+        began_host=_host(first.get("host")) or host,
         began_rank=_int(first.get("rank")),
         began_at=_time(first.get("at")),
         charged=decision.get("charged") is not False,
         stacks=_shared(raw.get("stacks")),
-        leaves=_str(decision.get("leaves"), 64),
-        joins=_str(decision.get("joins"), 64),
+        leaves=_host(decision.get("leaves")),
+        joins=_host(decision.get("joins")),
         claims=tuple(sorted(
-            ((_str(c.get("host"), 64) or "?", _str(c.get("kind"), 64) or "?",
+            ((_host(c.get("host")) or "?", _kind(c.get("kind")) or "?",
               _int(c.get("rank")), _time(c.get("at")) or 0.0) for c in claims),
             key=lambda c: c[3])),
     )

@@ -76,7 +76,14 @@ SAVE_EVERY = 1.0
 
 QUARANTINED = "quarantined: "
 # Why a report is refused (a metric's label values: bounded).
-REFUSALS = ("outside_dir", "not_named", "quarantined", "path_too_long")
+REFUSALS = ("outside_dir", "not_named", "quarantined", "path_too_long", "missing",
+            "too_many")
+# A report is looked for (as the job's user: a call to its hand, ~1 ms) at most this
+# often, LOOKS_BURST at once: a job reports a checkpoint every few minutes, and a
+# flood of reports must not hold the loop. One past it is refused, and the folder's
+# listing finds the checkpoint all the same.
+LOOKS_PER_S = 10.0
+LOOKS_BURST = 50.0
 
 
 def _kind(e: Entry) -> str:
@@ -154,6 +161,7 @@ class Catalog:
         self.verifier = verifier
         self.checking: object = None  # an actions.verify.Check
         self.refusal: str | None = None  # why the last report was refused (REFUSALS)
+        self._looks, self._looked_at = LOOKS_BURST, self.clock()  # a token bucket
 
     def _save(self, durable: bool = True) -> None:
         if durable:
@@ -295,8 +303,11 @@ class Catalog:
         statistics at its step, recorded with it). False when the report is
         refused: a path outside ``checkpoints.dir`` (or too long), one the layout
         does not name with this step (a report cannot make a file a checkpoint
-        twice over), or a step in quarantine unless ``replaces_quarantined``
-        (written anew after a rollback); ``refusal`` then says which (REFUSALS)."""
+        twice over), a step in quarantine unless ``replaces_quarantined``
+        (written anew after a rollback), a path with nothing there (looked for as
+        the job's user; a hand that does not answer says nothing, and the next
+        refresh judges it), or one past LOOKS_PER_S; ``refusal`` then says which
+        (REFUSALS)."""
         self.refusal = None
         if len(path) > MAX_PATH:
             self.refusal = "path_too_long"
@@ -306,6 +317,10 @@ class Catalog:
             self.refusal = "not_named"
         elif self.bad.get(step, "").startswith(QUARANTINED) and not replaces_quarantined:
             self.refusal = "quarantined"
+        elif not self._look():
+            self.refusal = "too_many"
+        elif self.disk.exists(path) is False:
+            self.refusal = "missing"
         if self.refusal is not None:
             return False
         if self.bad.get(step, "").startswith(QUARANTINED):
@@ -331,6 +346,16 @@ class Catalog:
             self.flush()  # at once: a new checkpoint (health alone waits for the next)
         self.disk.add(step, path)  # known now, without listing the folder
         self._stale.add(step)
+        return True
+
+    def _look(self) -> bool:
+        now = self.clock()
+        self._looks = min(LOOKS_BURST, self._looks + max(0.0, now - self._looked_at)
+                          * LOOKS_PER_S)
+        self._looked_at = now
+        if self._looks < 1.0:
+            return False
+        self._looks -= 1.0
         return True
 
     def flush(self, force: bool = False) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from trainwatch.state.ondisk import Layout, OnDisk
 log = logging.getLogger("trainwatch")
 
 REFRESH_TIMEOUT = 5.0  # one listing and the judgements it needs
+# Whether a reported checkpoint is there: the loop waits for it, once per report.
+EXISTS_TIMEOUT = 2.0
 # The newest this many are kept track of (root mirrors them: each costs ~0.3 KB, and
 # Python keeps the arenas a larger listing spread over after it is gone).
 MAX_CHECKPOINTS = 2_000
@@ -149,6 +152,15 @@ class HandDisk:
 
     def mtime(self, step: int) -> float | None:
         return self.mtimes.get(step)
+
+    def exists(self, path: str) -> bool | None:
+        """Is there a file or folder at ``path``, looked for as the job's user (a link
+        not followed)? None: the hand did not answer in EXISTS_TIMEOUT."""
+        try:
+            got = self.hand.call(os.path.lexists, path, timeout=EXISTS_TIMEOUT)
+        except HandError:
+            return None
+        return got if isinstance(got, bool) else None
 
     def refresh(self, force: bool = False) -> set[int]:
         layout = pickle.dumps(self.layout, pickle.HIGHEST_PROTOCOL)

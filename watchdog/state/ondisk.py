@@ -272,6 +272,10 @@ class OnDisk:
                 self._newest_complete = step
         return changed | self._dropped_since()
 
+    def exists(self, path: str) -> bool | None:
+        """Is there a file or folder at ``path`` (a link not followed)?"""
+        return os.path.lexists(path)
+
     def mtime(self, step: int) -> float | None:
         """When the checkpoint of ``step`` was last written, as of its verdict."""
         return self.mtimes.get(step)

@@ -23,6 +23,8 @@ _WHY = {
     "not_named": "not a name its layout gives that step",
     "quarantined": "a quarantined step, from an attempt being stopped",
     "path_too_long": "a path too long",
+    "missing": "nothing there, looked for as the job's user",
+    "too_many": "more reports than a job makes: the folder's listing finds its checkpoints",
 }
 
 
