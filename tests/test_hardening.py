@@ -97,6 +97,33 @@ def test_state_dir_writable_by_others_is_refused(ws: Workspace) -> None:
     assert "writable by every user" in rc.stderr and len(rc.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize("which", ["state_dir", "run_dir"])
+def test_a_users_link_above_state_dir_or_run_dir_is_refused_whatever_the_sysctl_says(
+        ws: Workspace, tmp_path: Path, which: str) -> None:
+    """Another user's symlink in sticky /tmp, above the configured folder, pointing at a
+    folder of root's: refused in one line, exit 2, nothing written where it points (root
+    followed it and made ledger.db, jobs/ and control.sock there: the path was resolved
+    first and judged after, and fs.protected_symlinks=0 let root follow a user's link)."""
+    if os.geteuid() != 0:
+        missing("a link of another user's needs root to make")
+    target = tmp_path / "roots"
+    target.mkdir()
+    link = Path(f"/tmp/tw-{run_name('link')}-{which}")
+    link.unlink(missing_ok=True)
+    link.symlink_to(target)
+    os.lchown(link, 65534, 65534)
+    try:
+        cfg = ws.config({"command": ["/bin/true"]}, **{which: str(link / "tw")})
+        r = subprocess.run([sys.executable, "-m", "trainwatch.cli", "run", "--config", str(cfg)],
+                           capture_output=True, text=True, timeout=30, check=False)
+        assert r.returncode == 2, r.stderr
+        assert f"{link}: a symlink owned by uid 65534" in r.stderr, r.stderr
+        assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+        assert list(target.iterdir()) == []
+    finally:
+        link.unlink(missing_ok=True)
+
+
 def test_one_jobs_failing_handling_does_not_stop_the_others(
         ws: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
     """Item 6: an exception in one job's handling is logged and counted; the loop goes on
@@ -166,14 +193,17 @@ def test_reader_that_stops_reading_our_stderr_does_not_stall_the_loop(ws: Worksp
 
 def test_a_flood_of_checkpoint_reports_does_not_stall_the_loop(ws: Workspace) -> None:
     """A job sending 4,000 distinct checkpoint reports (long paths, most refused, the rest
-    bounded): the catalog state stays small and Ctrl-C is acted on at once."""
+    bounded, each there: each is looked for, at a bounded rate): the catalog state stays
+    small and Ctrl-C is acted on at once."""
     script = ws.root / "reports.py"
     script.write_text(
         "import os, sys, time\nfrom trainwatch import client\nhb = client.connect()\n"
-        "hb.beat(1)\nd = sys.argv[1]\n"
+        "hb.beat(1)\nd = sys.argv[1]\nos.makedirs(d, exist_ok=True)\n"
         "for i in range(4000):\n"
         "    inside = i % 2 == 0\n"
         "    path = os.path.join(d, 'step_%d' % i) if inside else '/tmp/step_%d' % i + 'x' * 3000\n"
+        "    if inside:\n"
+        "        open(path, 'w').close()\n"
         "    hb.checkpoint(i, path)\n"
         "open(os.path.join(d, '..', 'sent'), 'w').close()\n"
         "time.sleep(600)\n")

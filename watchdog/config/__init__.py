@@ -113,11 +113,14 @@ def _resolve(r: Reader, config: Config, base: Path) -> Config:
         cp = replace(j.checkpoints, dir=absolute(j.checkpoints.dir, root,
                                                  f"jobs.{j.name}.checkpoints.dir"))
         jobs.append(replace(j, workdir=workdir, checkpoints=cp))
+    # trainwatch's own folders stay as written, made absolute only: each symlink in
+    # them is judged as the folders are walked (state/ownership.py), not followed here
+    # first (a user's link in /tmp above state_dir led root into a folder of its own).
     return replace(
         config,
         jobs=tuple(jobs),
-        state_dir=absolute(config.state_dir, base, "state_dir") or config.state_dir,
-        run_dir=absolute(config.run_dir, base, "run_dir") or config.run_dir,
+        state_dir=os.path.normpath(base / os.path.expanduser(config.state_dir)),
+        run_dir=os.path.normpath(base / os.path.expanduser(config.run_dir)),
     )
 
 

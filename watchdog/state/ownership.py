@@ -59,22 +59,57 @@ def _check_group(path: str, st: os.stat_result, below: str | None = None) -> Non
                                      f"{stat.S_IMODE(st.st_mode):04o}{what}", path)
 
 
+_MAX_LINKS = 40  # as the kernel's (ELOOP)
+
+
+def _refuse_owner(at: str, st: os.stat_result, me: int, path: str) -> None:
+    if st.st_uid not in (me, 0):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "a folder"
+        raise UnsafeDir(errno.EPERM, f"{at}: {what} owned by uid {st.st_uid}, not by uid {me} "
+                                     f"(refused for {path}: another user could swap it)", at)
+
+
 def _check_ancestors(path: str, me: int) -> None:
-    """Every folder above ``path`` must be ours or root's, and not open to
-    others' renames (world-writable only with the sticky bit, as /tmp is)."""
-    a = os.path.dirname(os.path.realpath(path))
+    """Every folder above ``path``, walked from / as systemd's chase() with CHASE_SAFE
+    walks it, whatever fs.protected_symlinks says: each component must be ours or
+    root's, a folder not open to others' renames (world-writable only with the
+    sticky bit, as /tmp is); a symlink of ours or root's is followed and what it
+    names walked in turn, another user's is refused. A component not there yet ends
+    the walk (we make it). Resolved first and judged after, a user's link planted
+    in /tmp above the path led root into a folder of root's own, and wrote there."""
+    todo = [c for c in os.path.dirname(os.path.abspath(path)).split("/") if c]
+    at, links = "/", 0
+    st = os.lstat(at)
     while True:
-        st = os.stat(a)
-        if st.st_uid not in (me, 0):
-            raise UnsafeDir(errno.EPERM, f"{a}: owned by uid {st.st_uid}, not by uid {me} "
-                                         f"(refused for {path}: another user could swap it)", a)
+        _refuse_owner(at, st, me, path)
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-            raise UnsafeDir(errno.EPERM, f"{a}: writable by every user (refused for {path})", a)
-        _check_group(a, st, path)
-        up = os.path.dirname(a)
-        if up == a:
+            raise UnsafeDir(errno.EPERM, f"{at}: writable by every user (refused for {path})", at)
+        _check_group(at, st, path)
+        while todo and todo[0] in (".", ".."):
+            at = os.path.dirname(at) if todo.pop(0) == ".." else at
+        if not todo:
             return
-        a = up
+        nxt = os.path.join(at, todo.pop(0))
+        try:
+            st = os.lstat(nxt)
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode):
+            _refuse_owner(nxt, st, me, path)
+            links += 1
+            if links > _MAX_LINKS:
+                raise UnsafeDir(errno.ELOOP, f"{nxt}: too many symlinks (refused for {path})",
+                                nxt)
+            target = os.readlink(nxt)
+            todo = [c for c in target.split("/") if c] + todo
+            if target.startswith("/"):
+                at, st = "/", os.lstat("/")
+            else:
+                st = os.lstat(at)
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeDir(errno.ENOTDIR, f"{nxt}: not a folder (refused for {path})", nxt)
+        at = nxt
 
 
 def private_dir(path: str | os.PathLike[str], mode: int = 0o700) -> None:
@@ -86,10 +121,11 @@ def private_dir(path: str | os.PathLike[str], mode: int = 0o700) -> None:
     p = os.path.abspath(os.fspath(path))
     me = os.geteuid()
     parent = os.path.dirname(p)
+    _check_ancestors(p, me)  # before anything is created in them
     if parent != p and not os.path.isdir(parent):
         with contextlib.suppress(FileExistsError):
             os.makedirs(parent, mode=0o755)
-    _check_ancestors(p, me)  # before anything is created in them
+        _check_ancestors(p, me)  # one planted while they were made is refused too
     try:
         os.mkdir(p, mode)
     except FileExistsError:
