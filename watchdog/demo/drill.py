@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import sys
@@ -45,6 +46,9 @@ LOSS_KINDS = {FaultKind.NAN_LOSS.value, FaultKind.LOSS_SPIKE.value,
               FaultKind.GRAD_NORM_OUTLIER.value, FaultKind.DIVERGENCE.value}
 
 
+_BLAS_ENV = ("OPENBLAS_", "GOTO", "OMP_", "MKL_", "NPY_")
+
+
 def _config(tmp: Path, seed: int) -> dict[str, Any]:
     return {
         "state_dir": str(tmp / "state"),
@@ -58,6 +62,10 @@ def _config(tmp: Path, seed: int) -> dict[str, Any]:
                             "--steps", str(STEPS), "--ckpt-dir", str(tmp / "ckpt"),
                             "--ckpt-every", str(CKPT_EVERY), "--seed", str(seed),
                             "--journal", str(tmp / "journal.jsonl")],
+                # The fault-free reference is computed here, and a job's environment is
+                # a clean one: numpy's BLAS must pick the same kernels in both (a host
+                # that sets OPENBLAS_CORETYPE gave other bits from the first step).
+                "env": {k: v for k, v in os.environ.items() if k.startswith(_BLAS_ENV)},
                 "checkpoints": {"dir": str(tmp / "ckpt"), "pattern": "step_{step}.npz"},
                 "heartbeat": {"timeout": HANG_TIMEOUT},
                 "gpus": {"devices": [0, 1, 2, 3], "min": 2},
