@@ -260,6 +260,52 @@ def test_unbound_sender_is_counted_without_a_reply(served: Served, run_dir: str)
     assert served.sock.counters.unanswered == 1
 
 
+def test_a_reply_goes_only_to_a_socket_its_requester_owns_never_through_a_link(
+        run_dir: str) -> None:
+    """A requester bound at a path of theirs swaps it, before the answer, for a link to
+    another user's private socket (in a 0700 folder), then for that user's socket file
+    itself: neither gets the reply (root's sendto followed the link, passed the file's
+    permissions and delivered it stamped uid 0); the requester's own socket does."""
+    _require_root()
+    cs = ControlSocket(run_dir, _recorder([]))
+    hidden = Path(run_dir) / "victim"
+    hidden.mkdir(mode=0o700)
+    victim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    mine = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        victim.bind(str(hidden / "v.sock"))
+        other.bind(str(hidden / "o.sock"))
+        for path in (hidden / "v.sock", hidden / "o.sock", hidden):
+            os.chown(path, NOBODY, NOBODY)
+        victim.setblocking(False)
+        at = Path(run_dir) / "mine.sock"
+        mine.bind(str(at))
+        mine.settimeout(10)
+        ping = json.dumps({"v": 1, "op": "ping", "args": {}}).encode()
+        mine.sendto(ping, control_path(run_dir))
+        assert cs.handle() == 1
+        assert json.loads(mine.recv(4096)) == {"ok": True, "done": "ping"}
+        for swap in ("link", "rename"):
+            mine.sendto(ping, control_path(run_dir))
+            at.unlink()
+            if swap == "link":
+                at.symlink_to(hidden / "v.sock")
+            else:
+                os.rename(hidden / "o.sock", at)  # another user's socket file, not a link
+            assert cs.handle() == 1
+            with pytest.raises(BlockingIOError):
+                victim.recv(4096)
+            other.settimeout(0.0)
+            with pytest.raises(BlockingIOError):
+                other.recv(4096)
+        assert cs.counters.unanswered == 2
+    finally:
+        for sock in (victim, other, mine):
+            sock.close()
+        cs.close()
+
+
 def test_handler_exception_is_one_line_and_the_server_lives_on(
     served: Served, run_dir: str
 ) -> None:

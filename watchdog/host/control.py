@@ -5,7 +5,9 @@
 A request is one JSON datagram ``{"v": 1, "op": ..., "args": {...}}``; the reply
 is one datagram ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``
 sent back to the sender's address. The client binds an abstract-namespace
-address for that (``request()`` does).
+address for that (``request()`` does); a sender bound at a path is answered only
+there, through the socket file itself opened without following a link, and only
+if it is the sender's own (``_send_to_requester``).
 
 Who may ask what is decided per request (access.py): the socket file is mode
 0o666, so every local user reaches it, and the kernel attaches the sender's
@@ -37,11 +39,13 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import secrets
 import socket
+import stat
 import struct
 import time
 from collections.abc import Callable
@@ -204,7 +208,7 @@ class ControlSocket:
         if pid <= 0:  # SO_PASSCRED always attaches them; without them, nobody is vouched for
             c.refused += 1
             self._reply(addr, {"ok": False, "error": "not permitted: a request without "
-                                                     "credentials"})
+                                                     "credentials"}, -1)
             return
         peer = self.peers.peer(pid, uid, gid)
         if not self._within_rate(peer):
@@ -214,13 +218,13 @@ class ControlSocket:
         if flags & _TRUNC:
             c.malformed += 1
             self._reply(addr, {"ok": False,
-                               "error": f"request larger than {MAX_REQUEST} bytes"})
+                               "error": f"request larger than {MAX_REQUEST} bytes"}, peer.uid)
             return
         try:
             op, args = _parse(data)
         except ValueError as e:
             c.malformed += 1
-            self._reply(addr, {"ok": False, "error": f"malformed request: {e}"})
+            self._reply(addr, {"ok": False, "error": f"malformed request: {e}"}, peer.uid)
             return
         self._answer(op, args, peer, addr, lambda: self.handler(op, args, peer))
 
@@ -251,7 +255,7 @@ class ControlSocket:
                 log.exception("control: %s failed", op)
             reply = {"ok": False, "error": _one_line(f"{op}: {e}" if str(e) else
                                                      f"{op}: {type(e).__name__}")}
-        self._reply(addr, reply)
+        self._reply(addr, reply, peer.uid)
 
     def settle(self) -> int:
         """Answer the deferred requests whose work is done (call it from the loop
@@ -286,7 +290,7 @@ class ControlSocket:
         log.warning("control: %s from pid %d %s: %s%s", what, peer.pid, peer, _one_line(why),
                     more)
 
-    def _reply(self, addr: Any, reply: dict[str, Any]) -> None:
+    def _reply(self, addr: Any, reply: dict[str, Any], uid: int) -> None:
         if not addr:  # an unbound sender: nowhere to answer
             self.counters.unanswered += 1
             return
@@ -302,15 +306,38 @@ class ControlSocket:
             # to an address of its own, and vouches for our uid to the client.
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
                                | socket.SOCK_NONBLOCK) as s:
-                s.sendto(data, addr)
+                _send_to_requester(s, data, addr, uid)
         except OSError:
-            # Gone, not listening, or its queue is full: the client times out.
+            # Gone, not listening, its queue is full, or not the requester's: the
+            # client times out.
             self.counters.unanswered += 1
 
     def close(self) -> None:
         self.sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _send_to_requester(s: socket.socket, data: bytes, addr: str | bytes, uid: int) -> None:
+    """``data`` to the requester's address. An abstract one is the requester's socket
+    (the kernel gave it as the sender's). A path is only a name: by the time root
+    answers, the requester may have swapped it for a link to another user's socket,
+    and root's sendto follows links and passes every permission check (replies were
+    delivered, stamped uid 0, into a socket its requester could not write to). So the
+    file is opened without following a link (O_PATH | O_NOFOLLOW), must be a socket
+    the requester owns, and is sent to through that descriptor, as systemd does for
+    a long path: what was judged is what gets the reply."""
+    if (addr[:1] == b"\0") if isinstance(addr, bytes) else addr.startswith("\0"):
+        s.sendto(data, addr)
+        return
+    fd = os.open(addr, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != uid or uid < 0:
+            raise PermissionError(errno.EPERM, "not a socket of the requester's", addr)
+        s.sendto(data, f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
 
 
 def _reply_from(s: socket.socket, path: str, uid: int, deadline: float,
