@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from conftest import local_user, need_root, run_name, wait_for
 
 
 def _server(**kw: Any) -> Any:
@@ -271,3 +271,62 @@ def test_slow_incident_pages_never_hold_up_a_scrape(servers: list[Any]) -> None:
     # This process is the client: the page was told its own uid.
     assert {uid for _, uid in rendered} == {os.geteuid()}, rendered
     assert sum(scrapes) < 6.0, scrapes
+
+
+# Another user's five page requests, one after another: each one's status, a line each.
+ASKER = textwrap.dedent("""
+    import sys, urllib.error, urllib.request
+    for _ in range(5):
+        try:
+            with urllib.request.urlopen(sys.argv[1], timeout=60) as r:
+                print(r.status, flush=True)
+        except urllib.error.HTTPError as e:
+            print(e.code, flush=True)
+""")
+
+
+def test_one_users_flood_of_pages_leaves_another_users_pages_served(servers: list[Any]) -> None:
+    """16 threads of one user ask for pages without pause (each 0.2 s to render) while
+    another user asks five times: all five are served, not 503 (the queue was one line
+    of 8, which the flood kept full); the flood itself gets 503s, and its share."""
+    import threading
+    import urllib.error
+
+    need_root("a second user's requests")
+    other = local_user(run_name("pager"))
+    rendered: list[int | None] = []
+
+    def pages(path: str, uid: int | None) -> tuple[int, bytes]:
+        rendered.append(uid)
+        time.sleep(0.2)
+        return 200, b"<!doctype html><p>page"
+
+    server = _server(pages=pages)
+    servers.append(server)
+    url = f"http://127.0.0.1:{server.server_address[1]}/incidents/"
+    stop = threading.Event()
+    flood: list[int] = []
+
+    def ask() -> None:
+        while not stop.is_set():
+            try:
+                with urllib.request.urlopen(url, timeout=60) as r:
+                    flood.append(r.status)
+            except urllib.error.HTTPError as e:
+                flood.append(e.code)
+
+    askers = [threading.Thread(target=ask) for _ in range(16)]
+    for t in askers:
+        t.start()
+    try:
+        wait_for(lambda: 503 in flood, timeout=30, what="the flood to fill its share")
+        p = subprocess.run(["setpriv", f"--reuid={other.pw_uid}", f"--regid={other.pw_gid}",
+                            "--clear-groups", "/usr/bin/python3", "-c", ASKER, url],
+                           capture_output=True, text=True, timeout=120, check=False)
+    finally:
+        stop.set()
+        for t in askers:
+            t.join(timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["200"] * 5, (p.stdout, p.stderr)
+    assert rendered.count(other.pw_uid) == 5 and 503 in flood and 200 in flood
