@@ -12,7 +12,7 @@ agent itself ended relaunches it (the usual way), into the same restart.
 
 Here: the rank that ends by itself while its agent lives (a crash the agent
 restarts, never seen as the agent's exit), a peer's restart (looked for every
-``POLL`` seconds), and the round that begins after either."""
+``POLL`` seconds; followed in follow.py), and the round that begins after either."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from trainwatch.actions.tree import stopped_ranks
 from trainwatch.multihost import decision, records, rounds, stackshare, victim
-from trainwatch.types import Action, Fault, FaultKind, JobState
+from trainwatch.types import Fault, FaultKind
 
 if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
@@ -161,7 +161,9 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
         g.poll_at = now + POLL
         rec = records.parse(records.call(r, records.newest_in_hand, g.root, g.gen))
         if rec is not None and rec.gen > g.gen:
-            follow(r, a, rec, now)
+            from trainwatch.multihost import follow  # it calls act(): at run time
+
+            follow.follow(r, a, rec, now)
     return False
 
 
@@ -249,7 +251,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
         _amend(r, incident, rec, won)
         log.warning("job %s: group restart %d (%s, began on %s): every rank resumes from %s",
                     r.job.name, rec.gen, "decided here" if won else f"decided by {rec.host}",
-                    rec.began, _where(rec))
+                    rec.began, where(rec))
     if not kept:
         return False
     rounds.evidence_then_round(r, g, a, capture, rec, incident,
@@ -283,74 +285,7 @@ def _part_of_last(r: Runner, g: Group, a: Attempt, fault: Fault, incident: int |
     return True
 
 
-def _claim_own_exits(r: Runner, g: Group, a: Attempt, gen: int) -> None:
-    """A rank of ours that failed in this round, not judged yet (its status reaped by
-    its agent before we read it waits UNKNOWN_GRACE): claimed in the peer's restart,
-    which may well have begun here."""
-    own = [e for e in r.first_failure.exits.exits if e.pid not in g.before and e.returncode != 0]
-    if not own:
-        return
-    first = r.first_failure.exits.first_failure() or own[0]
-    claim = {"kind": FaultKind.CRASH.value, "rank": first.rank,
-             "at": time.time() - max(0.0, r.clock() - first.at),
-             "victim": victim.peer_blamed(a.log_path, g.log_from, first.rank) is not None}
-    records.call(r, records.claim_in_hand, g.root, gen, g.host, claim)
-
-
-def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
-    """A peer's restart: recorded and charged here once; our workers end too, so
-    that every agent enters the new round together."""
-    g = r.group
-    assert g is not None
-    g.gen = rec.gen
-    from trainwatch.multihost import leave  # it calls rounds.new_round(): at run time
-
-    if rec.joins is not None:  # a host back from its pre-flight: not a fault here
-        leave.follow_join(r, rec, now)
-        return
-    _claim_own_exits(r, g, a, rec.gen)
-    try:
-        kind = FaultKind(rec.kind)
-    except ValueError:
-        kind = FaultKind.CRASH
-    fault = Fault(kind, r.job.name, now, {"group_restart": rec.gen, "began": rec.began,
-                                          "decided_by": rec.host, "followed": True,
-                                          "claims": rec.claimed(), **leave.evidence(r, rec)},
-                  onset_step=r.last_step, onset_known=False)
-    from trainwatch.lifecycle import respond  # respond calls act(): one circle, at run time
-    from trainwatch.lifecycle.policy import decide
-
-    if r.observing:
-        why, fatal = "observe_only" if r.config.observe_only else "paused", False
-        reason = f"{why}: a peer's group restart, recorded only"
-    else:
-        d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, Action.RESTART,
-                   charged=rec.charged, progressed=respond.progressed(r))
-        reason, fatal = d.reason, d.fatal
-    reason += leave.note(r, rec)  # a host left the group: does it go on without it?
-    r.events.faults.labels(r.job.name, kind.value).inc()
-    incident = r.ledger.incident(fault, Action.RESTART.value,
-                                 f"group restart {rec.gen} (began on {rec.began}): {reason}",
-                                 a.number, None, observe_only=r.observing)
-    log.warning("job %s: group restart %d began on %s (%s): %s; resuming from %s",
-                r.job.name, rec.gen, rec.began, rec.kind, reason, _where(rec))
-    if incident is not None and incident >= 0:
-        g.settle = (rec.gen, incident, rec.began, now + records.SETTLE)
-    if r.observing:
-        return
-    if fatal:
-        r.begin_stop(JobState.FATAL, f"group restart {rec.gen}: {reason}")
-        return
-    r.outages.fault(kind.value, now, now)
-    from trainwatch.actions import evidence  # this host's ranks as they waited, too
-
-    capture = evidence.start(r, fault, incident)
-    rounds.evidence_then_round(r, g, a, capture, rec, incident,
-                               f"group restart {rec.gen} from {rec.began}",
-                               rec.began_at if rec.began_at is not None else time.time())
-
-
-def _where(rec: records.Restart) -> str:
+def where(rec: records.Restart) -> str:
     if rec.resume_path is None:
         return "scratch"
     return f"step {rec.resume_step} ({rec.resume_path})"
