@@ -82,8 +82,8 @@ REFUSALS = ("outside_dir", "not_named", "quarantined", "path_too_long", "missing
 # often, LOOKS_BURST at once: a job reports a checkpoint every few minutes, and a
 # flood of reports must not hold the loop. One past it is refused, and the folder's
 # listing finds the checkpoint all the same.
-LOOKS_PER_S = 10.0
-LOOKS_BURST = 50.0
+LOOKS_PER_S = 100.0
+LOOKS_BURST = 200.0
 
 
 def _kind(e: Entry) -> str:
