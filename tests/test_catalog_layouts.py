@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 from trainwatch.config import Checkpoints
 from trainwatch.state.catalog import Catalog
 
