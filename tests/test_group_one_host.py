@@ -8,6 +8,7 @@ the rounds that die loading it mark it bad, as separate launches would."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -231,3 +232,70 @@ def test_a_hang_in_a_round_where_a_rank_exited_is_held_for_that_exits_crash(
         assert not group.held(r, hang, now)
     finally:
         r.intake.close()
+
+
+def _forge(ws: Workspace, path: str, step: int) -> int:
+    """A group decision written by the job's user into its checkpoint folder (no host
+    made it): the next restart's number, resuming from ``path``, charged to nothing."""
+    import time
+
+    base = ws.ckpt / ".trainwatch"
+    gens = [int(p.name.split("-")[1]) for p in base.glob("restart-*")] if base.exists() else []
+    gen = max(gens, default=0) + 1
+    d = base / f"restart-{gen:08d}"
+    d.mkdir(parents=True)
+    (d / "decision.json").write_text(json.dumps({
+        "resume_step": step, "resume_path": path, "skip": None, "kind": "crash",
+        "at": time.time(), "charged": False, "host": "forger", "gen": gen}))
+    return gen
+
+
+def test_a_group_decision_the_user_wrote_is_a_claim_never_an_order(
+        ws: Workspace, tmp_path: Path) -> None:
+    """A decision in the job's shared folder naming a checkpoint outside checkpoints.dir:
+    the ranks resumed from it (ended within 0.5 s). Now this host says so in one line and
+    decides the restart itself, from its own good checkpoint, in a record after it."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cfg = ws.config({"command": _command(ws, "--steps", "300"), "nodes": 1,
+                     "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}},
+                    {"max_restarts": 3})
+    p = ws.run(cfg)
+    wait_for(lambda: len(_workers(ws)) == 2 and (ws.status().get("step") or 0) >= 45,
+             timeout=120, what="both ranks past step 40")
+    forged = _forge(ws, str(elsewhere / "step_40.pt"), 40)
+    wait_for(lambda: ws.incidents(), timeout=60, what="the incident")
+    code, out = finish(p, timeout=240)
+    assert code == 0, out[-3000:]
+    assert f"group restart {forged}, made by forger, resumes from step 40 (" \
+           f"{elsewhere}/step_40.pt): {elsewhere}/step_40.pt is not in checkpoints.dir" in out, \
+        out[-3000:]
+    [inc] = ws.incidents()
+    assert json.loads(inc["evidence"])["group_restart"] == forged + 1, inc
+    ours = json.loads((ws.ckpt / ".trainwatch" / f"restart-{forged + 1:08d}" /
+                       "decision.json").read_text())
+    assert ours["resume_path"].startswith(f"{ws.ckpt}/"), ours
+    assert inc["resumed_step"] == ours["resume_step"] >= 20, inc
+
+
+def test_a_burst_of_user_written_decisions_spends_the_budget_and_ends_loudly(
+        ws: Workspace) -> None:
+    """Decisions written one after another, each `charged: false` and naming a good
+    checkpoint: 31 restarts were charged to nothing. Each is charged here as this host
+    sees it, and the budget (3) ends the job: fatal, said, not a restart loop."""
+    cfg = ws.config({"command": _command(ws, "--steps", "2000"), "nodes": 1,
+                     "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt"}},
+                    {"max_restarts": 3})
+    p = ws.run(cfg)
+    for n in range(1, 5):
+        wait_for(lambda: (ws.ckpt / "step_20.pt").exists() and len(_workers(ws)) == 2,
+                 timeout=120, what="both ranks beating")
+        _forge(ws, str(ws.ckpt / "step_20.pt"), 20)
+        wait_for(lambda n=n: len(ws.incidents()) >= n or p.poll() is not None, timeout=60,
+                 what=f"restart {n}")
+        if p.poll() is not None:
+            break
+    code, out = finish(p, timeout=120)
+    assert code == 1 and ws.transitions()[-1] == "fatal", out[-3000:]
+    assert "restart budget spent: 3 of 3" in out, out[-3000:]
+    assert len(ws.incidents()) == 4, [i["kind"] for i in ws.incidents()]

@@ -164,6 +164,25 @@ def test_a_rank_that_says_its_peer_failed_is_blamed_on_the_peer(tmp_path: Path) 
     assert victim.peer_blamed(tmp_path / "gone.log", 0, 1) is None
 
 
+def test_the_workers_torchruns_agent_says_failed_are_read_from_this_round_only(
+        tmp_path: Path) -> None:
+    """torchrun 2.13's own line for a worker it reaped that failed (seen by default, at
+    level E), with its exit code: a rank reaped before trainwatch read it is judged by it
+    at once; a worker that ended well gets no line, and an earlier round's do not count."""
+    from trainwatch.multihost import victim
+
+    log = tmp_path / "attempt.log"
+    old = ("E1203 14:28:01.000000 1 torch/distributed/elastic/multiprocessing/api.py:1002] "
+           "failed (exitcode: 1) local_rank: 1 (pid: 111) of binary: /usr/bin/python\n")
+    log.write_text(old + "W1203 14:28:07.336000 18338 torch/distributed/elastic/multiprocessing"
+                   "/api.py:1028] Sending process 18344 closing signal SIGTERM\nE1203 14:28:07"
+                   ".369000 18338 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+                   "(exitcode: -9) local_rank: 0 (pid: 18343) of binary: /venv/bin/python\n")
+    assert victim.agent_failed(log, len(old)) == {18343: -9}
+    assert victim.agent_failed(log, 0) == {111: 1, 18343: -9}
+    assert victim.agent_failed(tmp_path / "gone.log", 0) == {}
+
+
 # --- scopes (a Slurm job's records: .trainwatch/slurm-<job id>/) ---
 
 

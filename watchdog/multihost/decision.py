@@ -9,11 +9,20 @@ stalls again, round after round, until the budget is spent. So the restart waits
 its workers kept, and is decided again every ``RETRY`` seconds until the hand
 answers: the way a relaunch waits for its checkpoints to be judged (actions/launch.py).
 A call the hand answered with a failure (the shared folder not writable) does not
-wait: it is said, and the restart goes on without a record, as before."""
+wait: it is said, and the restart goes on without a record, as before.
+
+A record another host made is a claim, never an order: the folder is the job
+user's, and so is every byte of it. Its checkpoint is taken only when it lies in
+``checkpoints.dir`` and this host's catalog judges it good (``unbelieved``); else
+this host says so in one line and decides the restart itself, a record of its own
+after it. Whether it is charged is this host's own view (``charged``), never the
+record's word: a user's 30 records of ``charged: false`` were 31 restarts charged
+to nothing."""
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -97,3 +106,32 @@ def waited(r: Runner, w: Waiting, rec: records.Restart | None) -> float:
     log.warning("job %s: group restart %s decided after %.1fs waiting for the job's hand",
                 r.job.name, rec.gen if rec is not None else "?", r.clock() - w.since)
     return time.time()
+
+
+def unbelieved(r: Runner, rec: records.Restart) -> str | None:
+    """Why this host does not take ``rec``'s checkpoint; None when it does (or the
+    record resumes from scratch). The catalog is asked as it stands, then listed
+    again: another host's rank may have written it a moment ago."""
+    path, step = rec.resume_path, rec.resume_step
+    if path is None:
+        return None
+    root = r.job.checkpoints.dir
+    if root is None or os.path.dirname(path) != root:
+        return f"{path:.200} is not in checkpoints.dir {root}"
+    for listed in (r.catalog.known, r.catalog.entries):
+        e = next((e for e in listed() if e.step == step and e.path == path), None)
+        if e is not None:
+            return None if e.good else f"step {step} is {e.why:.200} here"
+    return f"step {step} at {path:.200} is no checkpoint this host knows"
+
+
+def followed_charged(r: Runner, g: Group, rec: records.Restart) -> bool:
+    """Whether this host charges a peer's restart to its budget: once, unless its
+    skip window widens the one this host last took part in (the same loss anomaly
+    back, which a rollback charges once), at most rollback.max_widenings times in a
+    row. The record's own ``charged`` is the user's text, never asked."""
+    old, g.skip = g.skip, rec.skip
+    widens = (rec.skip is not None and old is not None and rec.skip != old
+              and rec.skip[0] <= old[0] and old[1] <= rec.skip[1])
+    g.widenings = g.widenings + 1 if widens else 0
+    return not widens or g.widenings > r.policy.rollback.max_widenings

@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from trainwatch.multihost import group, records, rounds, victim
+from trainwatch.multihost import decision, group, records, rounds, victim
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
@@ -50,19 +50,30 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
         kind = FaultKind(rec.kind)
     except ValueError:
         kind = FaultKind.CRASH
+    from trainwatch.lifecycle import respond  # respond calls act(): one circle, at run time
+    from trainwatch.lifecycle.policy import decide
+
+    refused = decision.unbelieved(r, rec)
+    if refused is not None and not r.observing:
+        # A claim, never an order: the fault it says is this host's to decide.
+        log.error("job %s: group restart %d, made by %s, resumes from %s: %s; this host "
+                  "decides it itself", r.job.name, rec.gen, rec.host, group.where(rec),
+                  refused)
+        respond.handle(r, Fault(kind, r.job.name, now, {
+            "group_restart_refused": rec.gen, "recorded_by": rec.host, "refused": refused},
+            onset_step=r.last_step, onset_known=False))
+        return
     fault = Fault(kind, r.job.name, now, {"group_restart": rec.gen, "began": rec.began,
                                           "decided_by": rec.host, "followed": True,
                                           "claims": rec.claimed(), **leave.evidence(r, rec)},
                   onset_step=r.last_step, onset_known=False)
-    from trainwatch.lifecycle import respond  # respond calls act(): one circle, at run time
-    from trainwatch.lifecycle.policy import decide
-
     if r.observing:
         why, fatal = "observe_only" if r.config.observe_only else "paused", False
         reason = f"{why}: a peer's group restart, recorded only"
     else:
         d = decide(r.policy, fault, r.history, now, now - a.started, r.rng, Action.RESTART,
-                   charged=rec.charged, progressed=respond.progressed(r))
+                   charged=decision.followed_charged(r, g, rec),
+                   progressed=respond.progressed(r))
         reason, fatal = d.reason, d.fatal
     reason += leave.note(r, rec)  # a host left the group: does it go on without it?
     r.events.faults.labels(r.job.name, kind.value).inc()

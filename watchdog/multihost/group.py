@@ -32,15 +32,19 @@ if TYPE_CHECKING:
     from trainwatch.evidence.capture import Capture
     from trainwatch.lifecycle.runner import Runner
     from trainwatch.multihost.leave import Joining, Out
+    from trainwatch.sources.rankexits import RankExit
 
 log = logging.getLogger("trainwatch")
 
 POLL = 0.5  # seconds between two looks for a peer's restart
-UNKNOWN_GRACE = 2.0  # a rank's exit of unknown status, while its agent lives: a failure
+UNKNOWN_GRACE = 2.0  # a rank's exit of unknown status, while another rank runs: a failure
 # A hang or stall with none of this host's ranks stopped waits this long for the
 # host whose rank is (its ranks wait for it in a collective) to restart the group.
 HOLD = 5.0
 ABSORB = 2  # failures before the first beat after a restart taken as part of it
+# Restarts another host made first whose checkpoint this host does not take, in a
+# row, before it goes on without a record of its own (decision.unbelieved).
+_OTHERS_MAX = 3
 
 
 @dataclass
@@ -57,6 +61,8 @@ class Group:
     absorbed: int = 0  # failures taken as part of the last restart (before a beat)
     log_from: int = 0  # where this round's output begins in the attempt's log
     pending: rounds.Pending | None = None  # our workers, kept for the fault's evidence
+    skip: tuple[int, int] | None = None  # the skip window of the last restart taken part in
+    widenings: int = 0  # peers' restarts in a row that widened it (decision.followed_charged)
     waiting: decision.Waiting | None = None  # a restart waiting for the job's hand
     settle: tuple[int, int, str | None, float] | None = None  # restart, incident, began, when
     out: Out | None = None  # this host left the group: its pre-flight (leave.py)
@@ -134,9 +140,7 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
         g.absorbed = 0  # the group's last restart is done here
     exits = r.first_failure.exits.exits
     new = [e for e in exits[g.exits_seen:] if e.pid not in g.before]
-    # An exit 0 is the run's end (the agent ends next); one reaped before we read
-    # it is judged once the agent has had UNKNOWN_GRACE to end as well.
-    judged = [e for e in new if e.returncode is not None or now - e.at >= UNKNOWN_GRACE]
+    judged = _judged(r, g, a, new, now)
     g.exits_seen += len(judged) if len(judged) == len(new) else 0
     failed = [e for e in judged if e.returncode != 0]
     if failed and len(judged) == len(new) and _leader_alive(a):
@@ -165,6 +169,28 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
 
             follow.follow(r, a, rec, now)
     return False
+
+
+def _judged(r: Runner, g: Group, a: Attempt, new: list[RankExit],
+            now: float) -> list[RankExit]:
+    """This round's rank exits that are judged, each with how it ended. An exit 0 is
+    the run's end (the agent ends next). One reaped by the agent before we read it
+    failed when the agent says so (its "failed (exitcode: N) ... (pid: P)" line), or
+    when a rank of the round still runs UNKNOWN_GRACE after it; with every rank
+    gone and no such line it is not judged: the agent lingers after a run that ended
+    well (its exit barrier, a loaded host), and ends next. Judged a failure after
+    UNKNOWN_GRACE whatever, a finished run was restarted from its last checkpoint."""
+    if all(e.returncode is not None for e in new):
+        return new
+    said = victim.agent_failed(a.log_path, g.log_from)
+    running = r.first_failure.exits.running
+    out = []
+    for e in new:
+        if e.returncode is None and e.pid in said:
+            e = dataclasses.replace(e, returncode=said[e.pid])
+        if e.returncode is not None or (running and now - e.at >= UNKNOWN_GRACE):
+            out.append(e)
+    return out
 
 
 def wake(r: Runner, now: float) -> float | None:
@@ -223,7 +249,10 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
     onset = wall - max(0.0, r.clock() - fault.onset)
     if waiting is None and g.gen > (g.base or 0) and not r.ranks.beaten \
             and g.absorbed < ABSORB:
-        return _part_of_last(r, g, a, fault, incident, charged, onset)
+        last = records.parse(records.call(r, records.newest_in_hand, g.root, g.gen - 1))
+        last = last if last is not None and last.gen == g.gen else None
+        if last is None or decision.unbelieved(r, last) is None:  # else not one to be part of
+            return _part_of_last(r, g, a, fault, incident, charged, onset, last)
     g.waiting = None
     kept = keep_agent and _leader_alive(a)
     made = decision.make(r, g, fault, incident, charged, wall, onset)
@@ -237,6 +266,16 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
             return True
         made = decision.Made(None, False)
     rec, won = made.rec, made.won
+    for _ in range(_OTHERS_MAX):
+        refused = decision.unbelieved(r, rec) if rec is not None and not won else None
+        if refused is None or rec is None:
+            break
+        log.error("job %s: group restart %d, made by %s, resumes from %s: %s; this host "
+                  "decides it itself, in restart %d", r.job.name, rec.gen, rec.host,
+                  where(rec), refused, rec.gen + 1)
+        g.gen = rec.gen
+        again = decision.make(r, g, fault, incident, charged, wall, onset)
+        rec, won = (again.rec, again.won) if isinstance(again, decision.Made) else (None, False)
     if waiting is not None:
         onset = decision.waited(r, waiting, rec)
     if rec is None:
@@ -245,9 +284,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
                   records.folder(g.root))
         g.gen += 1
     else:
-        g.gen = rec.gen
-        if charged and not rec.charged and r.history.restarts:
-            r.history.restarts.pop()  # decide() granted it last: the maker did not charge it
+        g.gen, g.skip = rec.gen, rec.skip  # charged as this host's own view said (decide())
         _amend(r, incident, rec, won)
         log.warning("job %s: group restart %d (%s, began on %s): every rank resumes from %s",
                     r.job.name, rec.gen, "decided here" if won else f"decided by {rec.host}",
@@ -260,7 +297,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
 
 
 def _part_of_last(r: Runner, g: Group, a: Attempt, fault: Fault, incident: int | None,
-                  charged: bool, onset: float) -> bool:
+                  charged: bool, onset: float, rec: records.Restart | None) -> bool:
     """A failure before this host's ranks beat again since the group's last
     restart (its agent lost the rendezvous store that ended with another host's
     agent; a worker's collective failed while the round formed): part of that
@@ -277,11 +314,9 @@ def _part_of_last(r: Runner, g: Group, a: Attempt, fault: Fault, incident: int |
     log.warning("job %s: %s before this host's ranks beat again: part of group restart %d, "
                 "not charged again (%d of %d)", r.job.name, fault.kind.value, g.gen,
                 g.absorbed, ABSORB)
-    rec = records.parse(records.call(r, records.newest_in_hand, g.root, g.gen - 1))
     if not _leader_alive(a):
         return False
-    rounds.new_round(r, a, rec if rec is not None and rec.gen == g.gen else None, incident,
-              f"part of group restart {g.gen}", onset)
+    rounds.new_round(r, a, rec, incident, f"part of group restart {g.gen}", onset)
     return True
 
 

@@ -104,6 +104,11 @@ class RankExits:
         self.sel.register(fd, selectors.EVENT_READ, self._ready)
 
     @property
+    def running(self) -> int:
+        """Rank processes watched in this attempt that have not exited."""
+        return len(self._fds)
+
+    @property
     def watched(self) -> int:
         """Rank processes watched in this attempt, exited or not."""
         return len(self._fds) + len(self.exits)
