@@ -10,9 +10,10 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -228,13 +229,30 @@ def test_an_oversized_request_head_is_closed_and_counted(servers: list[Any]) -> 
         c.close()
 
 
+def _page(url: str) -> int:
+    """A page's HTTP status."""
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _threads(n: int, fn: Callable[[], object]) -> list[threading.Thread]:
+    """``n`` threads running ``fn``, started."""
+    started = [threading.Thread(target=fn) for _ in range(n)]
+    for t in started:
+        t.start()
+    return started
+
+
 def test_slow_incident_pages_never_hold_up_a_scrape(servers: list[Any]) -> None:
     """Pages render in a thread of their own from a short queue: 24 page requests at
     once, each taking 1 s to render, are answered (200, or 503 when the queue is
     full) while every scrape meanwhile gets its 200 (rendered with the pages, the
     scrapes would wait ~12 s behind them)."""
-    import threading
-    import urllib.error
 
     rendered: list[tuple[str, int | None]] = []
 
@@ -248,16 +266,7 @@ def test_slow_incident_pages_never_hold_up_a_scrape(servers: list[Any]) -> None:
     port = server.server_address[1]
     got: list[int] = []
 
-    def ask() -> None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/incidents/1", timeout=60) as r:
-                got.append(r.status)
-        except urllib.error.HTTPError as e:
-            got.append(e.code)
-
-    askers = [threading.Thread(target=ask) for _ in range(24)]
-    for t in askers:
-        t.start()
+    askers = _threads(24, lambda: got.append(_page(f"http://127.0.0.1:{port}/incidents/1")))
     scrapes = []
     for _ in range(5):
         t0 = time.monotonic()
@@ -289,8 +298,6 @@ def test_one_users_flood_of_pages_leaves_another_users_pages_served(servers: lis
     """16 threads of one user ask for pages without pause (each 0.2 s to render) while
     another user asks five times: all five are served, not 503 (the queue was one line
     of 8, which the flood kept full); the flood itself gets 503s, and its share."""
-    import threading
-    import urllib.error
 
     need_root("a second user's requests")
     other = local_user(run_name("pager"))
@@ -309,15 +316,9 @@ def test_one_users_flood_of_pages_leaves_another_users_pages_served(servers: lis
 
     def ask() -> None:
         while not stop.is_set():
-            try:
-                with urllib.request.urlopen(url, timeout=60) as r:
-                    flood.append(r.status)
-            except urllib.error.HTTPError as e:
-                flood.append(e.code)
+            flood.append(_page(url))
 
-    askers = [threading.Thread(target=ask) for _ in range(16)]
-    for t in askers:
-        t.start()
+    askers = _threads(16, ask)
     try:
         wait_for(lambda: 503 in flood, timeout=30, what="the flood to fill its share")
         p = subprocess.run(["setpriv", f"--reuid={other.pw_uid}", f"--regid={other.pw_gid}",
