@@ -332,6 +332,144 @@ def test_each_user_is_served_the_incident_pages_of_their_own_jobs_only(host: Hos
     assert _get(host, ALICE, "/incidents/nope")[0] == 404
 
 
+def _as(host: Host, user: str, code: str, *argv: str) -> list[str]:
+    """``python -c code argv...`` as ``user`` (its uid, gid and groups)."""
+    return ["setpriv", f"--reuid={user}", f"--regid={pwd.getpwnam(user).pw_gid}",
+            "--init-groups", host.up.python, "-c", code, *argv]
+
+
+# Bob's private socket: bound in a folder only bob may enter; told "go" on stdin, it
+# prints every datagram that came to it, none waited for.
+_VICTIM = ("import json, socket, sys\n"
+           "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+           "s.bind(sys.argv[1])\n"
+           "print('ready', flush=True)\n"
+           "sys.stdin.readline()\n"
+           "s.setblocking(False)\n"
+           "got = []\n"
+           "while True:\n"
+           "    try:\n"
+           "        got.append(s.recv(65536).decode(errors='replace'))\n"
+           "    except BlockingIOError:\n"
+           "        break\n"
+           "print(json.dumps(got), flush=True)\n")
+# Alice, six times: binds a socket at a path of hers, sends a request (its text hers),
+# and at once swaps that path for a link to bob's socket. Then one ordinary request
+# (the daemon answers in order: the six were answered before it). Prints the replies
+# her own sockets got, and what her own sendto to bob's socket got.
+_SWAPPER = ("import json, os, socket, sys\n"
+            "from trainwatch.host.control import control_path, request\n"
+            "run_dir, at, victim = sys.argv[1:4]\n"
+            "mine = []\n"
+            "for i in range(6):\n"
+            "    op = 'status' if i % 2 else 'pause'\n"
+            "    args = {} if i % 2 else {'job': 'FORGED: restart budget spent -> fatal'}\n"
+            "    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+            "    s.bind(at)\n"
+            "    s.sendto(json.dumps({'v': 1, 'op': op, 'args': args}).encode(),\n"
+            "             control_path(run_dir))\n"
+            "    os.unlink(at)\n"
+            "    os.symlink(victim, at)\n"
+            "    request(run_dir, 'status', {})\n"
+            "    s.setblocking(False)\n"
+            "    try:\n"
+            "        mine.append(s.recv(65536).decode())\n"
+            "    except BlockingIOError:\n"
+            "        pass\n"
+            "    s.close()\n"
+            "    os.unlink(at)\n"
+            "try:\n"
+            "    socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(b'x', victim)\n"
+            "    own = 'sent'\n"
+            "except OSError as e:\n"
+            "    own = type(e).__name__\n"
+            "print(json.dumps({'mine': len(mine), 'own': own}))\n")
+
+
+def test_a_reply_never_reaches_another_users_socket_through_a_swapped_path(
+        host: Host) -> None:
+    """Row 1 of issue 38, as the red team ran it on a root daemon: alice binds her
+    reply socket at a path of hers and, after each of six requests, swaps that path
+    for a link to bob's private socket (in bob's 0700 folder, where her own sendto
+    gets EACCES). Bob's socket gets none of the six replies (root's sendto followed
+    the link: 4 of 6 were delivered, one with alice's text); the daemon serves on."""
+    private = host.root / "b" / "private"
+    private.mkdir(mode=0o700)
+    bob = pwd.getpwnam(BOB)
+    os.chown(private, bob.pw_uid, bob.pw_gid)
+    victim = private / "inbox.sock"
+    at = host.root / "a" / "reply.sock"  # job a's folder: alice's
+    listener = subprocess.Popen(_as(host, BOB, _VICTIM, str(victim)), env=host.up.env(),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout is not None and listener.stdin is not None
+        assert listener.stdout.readline() == "ready\n"
+        p = subprocess.run(_as(host, ALICE, _SWAPPER, str(host.run_dir), str(at),
+                               str(victim)), env=host.up.env(), capture_output=True,
+                           text=True, timeout=60, check=False)
+        assert p.returncode == 0, p.stderr
+        swapper = json.loads(p.stdout)
+        assert swapper["own"] == "PermissionError", swapper
+        out, _ = listener.communicate("go\n", timeout=60)
+    finally:
+        listener.kill()
+        listener.wait()
+    assert json.loads(out) == [], out
+    assert _jobs(host.cli(ALICE, "status", "--json")) == ["a"]
+
+
+# Alice's flood: 16 threads asking for /incidents/ over and over; says "flooding" once
+# they have had 64 answers, stops on a line on stdin and prints the answers' statuses.
+_FLOOD = ("import collections, json, sys, threading, urllib.error, urllib.request\n"
+          "url = sys.argv[1]\n"
+          "stop, lock, seen = threading.Event(), threading.Lock(), collections.Counter()\n"
+          "def ask():\n"
+          "    while not stop.is_set():\n"
+          "        try:\n"
+          "            with urllib.request.urlopen(url, timeout=30) as r:\n"
+          "                r.read()\n"
+          "                code = str(r.status)\n"
+          "        except urllib.error.HTTPError as e:\n"
+          "            code = str(e.code)\n"
+          "        except OSError as e:\n"
+          "            code = type(e).__name__\n"
+          "        with lock:\n"
+          "            seen[code] += 1\n"
+          "            if sum(seen.values()) == 64:\n"
+          "                print('flooding', flush=True)\n"
+          "threads = [threading.Thread(target=ask) for _ in range(16)]\n"
+          "for t in threads:\n"
+          "    t.start()\n"
+          "sys.stdin.readline()\n"
+          "stop.set()\n"
+          "for t in threads:\n"
+          "    t.join()\n"
+          "print(json.dumps(seen), flush=True)\n")
+
+
+def test_one_users_page_flood_leaves_another_users_pages_served(host: Host) -> None:
+    """Row 5 of issue 38, on a root daemon: while alice's 16 threads ask for
+    /incidents/ without pause, bob's five requests are all served, his page (each
+    user has a share of the page queue; it was one line of 8, and bob got 503 on
+    5 of 5). Metrics are served throughout."""
+    flood = subprocess.Popen(
+        _as(host, ALICE, _FLOOD, f"http://127.0.0.1:{host.port}/incidents/"),
+        env=host.up.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout is not None
+        assert flood.stdout.readline() == "flooding\n"
+        bobs = [_get(host, BOB, "/incidents/") for _ in range(5)]
+        assert host.metric("trainwatch_job_state", job="b", state="running") == 1
+        out, _ = flood.communicate("stop\n", timeout=120)
+    finally:
+        flood.kill()
+        flood.wait()
+    assert [status for status, _ in bobs] == [200] * 5, [b[:200] for _, b in bobs]
+    assert all("trainwatch" in body for _, body in bobs)
+    seen = json.loads(out)
+    assert seen.get("200", 0) > 0, seen  # alice was served her share meanwhile
+
+
 def _reload_with(host: Host, group: str) -> None:
     """The daemon's config file with ``admin_group: group``, reloaded by root."""
     config = host.root / "trainwatch.yaml"
