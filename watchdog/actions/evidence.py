@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from trainwatch.actions import credentials
 from trainwatch.config import Job
-from trainwatch.evidence import flightrecorder
+from trainwatch.evidence import flightrecorder, series
 from trainwatch.evidence.capture import Capture, Target
-from trainwatch.evidence.show import folder
+from trainwatch.evidence.show import CATALOG, folder
 from trainwatch.types import Fault
 
 if TYPE_CHECKING:
@@ -93,3 +93,32 @@ def finish(r: Runner, cap: Capture, incident: int) -> None:
     r.ledger.amend(incident, found, rank)
     log.info("job %s: evidence of incident %d in %s (%.2fs)%s", r.job.name, incident, cap.out,
              s.get("seconds") or 0.0, f": {verdict.get('why')}" if verdict else "")
+
+
+def keep_beside(r: Runner, fault: Fault, incident: int) -> None:
+    """What the incident's page shows beside it, kept as it was at the incident."""
+    if fault.kind in series.LOSS_KINDS:
+        _keep_series(r, fault, incident)
+    _keep_catalog(r, incident)
+
+
+def _keep_series(r: Runner, fault: Fault, incident: int) -> None:
+    """The lead rank's loss and grad norm around the onset, beside the incident."""
+    feed = r.anomalies
+    onset = fault.onset_step if fault.onset_step is not None else r.last_step
+    if onset is None or feed.lead is None:
+        return
+    try:
+        where = folder(r.config.state_dir, r.job.name, incident)
+        series.keep(where, feed.lead, onset, fault.evidence.get("noticed_step"), feed.series)
+    except (OSError, ValueError) as e:  # a full state_dir costs the series, not the job
+        log.warning("job %s: incident %d: loss series not kept: %s", r.job.name, incident, e)
+
+
+def _keep_catalog(r: Runner, incident: int) -> None:
+    """The job's checkpoints as the catalog judged them at the incident, beside it
+    (the incident page's table; the job's catalog.json moves on)."""
+    try:
+        r.catalog.keep(folder(r.config.state_dir, r.job.name, incident) / CATALOG)
+    except (OSError, ValueError, TypeError) as e:  # a full state_dir costs the table only
+        log.warning("job %s: incident %d: checkpoints not kept: %s", r.job.name, incident, e)

@@ -9,16 +9,10 @@ import os
 import selectors
 import signal
 import statistics
-from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import attemptfiles, evidence, fresh, pull, rollback, verify
+from trainwatch.actions import attemptfiles, evidence, fresh, hook, pull, rollback, verify
 from trainwatch.actions.attempt import Attempt
-from trainwatch.config import Job
-from trainwatch.lifecycle import respond
-from trainwatch.multihost import group, leave, torchrun
-from trainwatch.slurm import requeue
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.catalog import Entry
 from trainwatch.state.ledger import Relaunch
@@ -34,34 +28,10 @@ _VERIFY_POLL = 0.05  # while a relaunch waits for its checkpoint's verification
 _JUDGE_POLL = 1.0  # while it waits for its checkpoints to be judged (a hand that did not answer)
 
 
-def _across_hosts(r: Runner, job: Job) -> tuple[Job, Mapping[str, str]] | None:
-    """The job as started, and the variables it gets unless its environment has
-    them: a job that spans hosts runs its torchrun command as multihost/torchrun.py
-    settles it, said once per launch; None (FATAL) when that cannot be done."""
-    if job.nodes is None:
-        return job, {}
-    try:
-        p = torchrun.plan(job.command, job.nodes, r.config.host, job.env)
-    except torchrun.SpanError as e:  # refused at load; a command from elsewhere is not
-        what = f"jobs.{job.name}.command: {e}"
-        log.error("job %s: %s", job.name, what)
-        r.to(JobState.FATAL, what)
-        return None
-    log.info("%s", torchrun.said(job.name, job.nodes, p))
-    for w in p.warnings:
-        log.warning("job %s: %s", job.name, w)
-    return replace(job, command=p.argv, env={**job.env, **p.env}), p.env_defaults
-
-
 def launch(r: Runner, reason: str) -> None:
     """Start the next attempt from the last good checkpoint, on the healthy GPUs;
     FATAL when it cannot start."""
-    if r.job.slurm is not None:  # Slurm starts it; its next run attaches (slurm/attach.py)
-        if r.state in TERMINAL:
-            raise ValueError(f"job {r.job.name}: Slurm starts it, not trainwatch "
-                             f"(scontrol requeue {r.job.slurm})")
-        r.relaunch_at = r.clock() + _JUDGE_POLL
-        requeue.waits(r)
+    if r.engine.started_elsewhere(r):  # not by trainwatch (a Slurm job's next run)
         return
     ready, cp = verify.checkpoint_to_use(r, wait=r.state is not JobState.BACKOFF)
     if not ready:  # its check still runs (in a thread), or its folder is unjudged: it waits
@@ -88,16 +58,16 @@ def launch(r: Runner, reason: str) -> None:
         r.to(JobState.FATAL, why)
         return
     if gpus is not None and len(gpus) < r.job.gpus.min:
-        if leave.stay_out(r):
+        if r.engine.stay_out(r):
             return
         why = f"{len(gpus)} healthy GPUs, the job needs at least {r.job.gpus.min}"
         if r.state in TERMINAL:  # an operator's start: refused; the job stays as it was
             raise ValueError(f"job {r.job.name}: {why}")
-        respond.run_exec_hook(r, "insufficient_gpus", None)
+        hook.run(r.policy.exec, r.job.name, "insufficient_gpus", None, r.umask)
         r.to(JobState.FATAL, why)
         return
     r.number += 1
-    spanning = _across_hosts(r, group.job_for_attempt(r, evidence.job_for_attempt(r, r.number)))
+    spanning = r.engine.prepare(r, evidence.job_for_attempt(r, r.number))
     if spanning is None:
         return
     job, env_defaults = spanning

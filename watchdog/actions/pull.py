@@ -35,8 +35,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainwatch.actions import credentials, jobenv
-from trainwatch.lifecycle import respond
+from trainwatch.actions import credentials, hook, jobenv
 from trainwatch.privsep.hand import Hand, HandError, HandTimeout, OpFailed
 from trainwatch.types import JobState
 
@@ -347,7 +346,7 @@ def _failed(r: Runner, p: Pull) -> str | None:
             "the job's env, or set it to retire to start over)")
     log.error("job %s: %s", name, why)
     _tried.pop(r, None)  # an operator's start tries the pull again
-    respond.run_exec_hook(r, "pull_failed", None)
+    hook.run(r.policy.exec, r.job.name, "pull_failed", None, r.umask)
     if r.state is None or r.state is JobState.BACKOFF:
         r.to(JobState.FATAL, why)
     return None

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from trainwatch.actions import evidence, ringfolder, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.evidence.capture import Capture
-from trainwatch.multihost import leave
 from trainwatch.types import JobState
 from trainwatch.watch import firstfailure
 
@@ -83,7 +82,7 @@ def advance(r: Runner, now: float) -> None:
     r.stopping = None
     if s.outcome is JobState.BACKOFF:
         r.relaunch_at = now + s.delay
-        r.to(JobState.BACKOFF, leave.waiting(r) or f"relaunch in {s.delay:.2f}s")
+        r.to(JobState.BACKOFF, r.engine.waiting(r) or f"relaunch in {s.delay:.2f}s")
         verify.prefetch(r)  # the checkpoint the relaunch will use, checked meanwhile
     else:
         r.to(s.outcome, s.reason)

@@ -17,7 +17,7 @@ loop. Into the incident's folder (``show.folder``:
   lead rank's loss and grad norm around the onset, written as the incident is
   recorded (``series.py``);
 - ``catalog.json``: the job's checkpoint catalog as it stood when the incident
-  was recorded (``respond.keep_catalog``), for the incident page's table;
+  was recorded (``actions.evidence.keep_beside``), for the incident page's table;
 - ``evidence.json``: the summary: per target its process state, CPU time and
   how py-spy fared; the verdict from the stacks
   (``trainwatch.detectors.stacks``); the seconds spent; the files.

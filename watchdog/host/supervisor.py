@@ -25,6 +25,7 @@ from trainwatch.host.access import Peer, Peers
 from trainwatch.host.agenda import Agenda
 from trainwatch.host.control import ControlSocket, Later
 from trainwatch.host.jobcheck import check_command
+from trainwatch.lifecycle import gpufault
 from trainwatch.lifecycle.job import GRID, JobRunner
 from trainwatch.sources.heartbeat import SocketInUse
 from trainwatch.state import joblock, ownership
@@ -271,7 +272,7 @@ class Supervisor:
             for r in self.runners:
                 if not r.done and r.uses_gpu(fault.gpu):
                     self.agenda.poke(r)
-                    r.on_gpu_fault(fault)
+                    gpufault.on_gpu_fault(r, fault)
 
     def _guarded(self, fn: Callable[..., object], *args: object) -> None:
         """One job's (or one source's) exception must not end the loop that

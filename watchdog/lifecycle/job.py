@@ -36,22 +36,16 @@ from trainwatch.export import status
 from trainwatch.export.events import Events
 from trainwatch.export.goodput import Goodput
 from trainwatch.host import adopt
-from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.drill import DrillNotice
+from trainwatch.lifecycle.engines import engine_for
 from trainwatch.lifecycle.policy import RestartHistory, XidHistory
-from trainwatch.multihost import group, leave
+from trainwatch.multihost import group
 from trainwatch.privsep import jobhands
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime, verifier
 from trainwatch.state.catalog import Catalog, Summary
 from trainwatch.state.ledger import Ledger
-from trainwatch.types import (
-    TRANSITIONS,
-    Beat,
-    Fault,
-    JobState,
-    ProcessExit,
-)
+from trainwatch.types import TRANSITIONS, Beat, JobState, ProcessExit
 from trainwatch.watch import anomalies, exits, live, reports, stallwatch
 from trainwatch.watch.anomalies import LossFeed
 from trainwatch.watch.firstfailure import FirstFailure
@@ -79,6 +73,7 @@ _CATALOG_EVERY = 10.0
 _STOP_POLL = 0.05
 # Without a pidfd (kernels before 5.3), poll the leader this often.
 _EXIT_POLL = 0.1
+
 
 
 class JobRunner:
@@ -161,6 +156,7 @@ class JobRunner:
         self.checkpoints_at = 0.0
         self.outages = Goodput()
         self.group = group.for_job(config, job)  # a job across hosts: its group
+        self.engine = engine_for(job)
 
     # --- state ---------------------------------------------------------------
 
@@ -245,7 +241,7 @@ class JobRunner:
         a = self.attempt  # not a worker of a group's round before (multihost/group.py);
         # one that has beaten stays believed once gone (a loaded loop reads it late)
         return a is not None and (a.tree.owns(pid, uid) or self.ranks.beat_from(pid)) \
-            and not group.of_rounds_before(self, pid)
+            and not self.engine.of_rounds_before(self, pid)
 
     def _on_beats(self, beats: Sequence[Beat]) -> None:
         """Beats in the order they were sent (a ring's batch, or one datagram)."""
@@ -264,7 +260,7 @@ class JobRunner:
             return
         self.hang_latched = False
         self.ever_beaten = True
-        resumed = group.resumed_step(self) if first else None
+        resumed = self.engine.resumed_step(self) if first else None
         if resumed is not None:
             self.catalog.start_succeeded(resumed)
         if first:
@@ -317,7 +313,7 @@ class JobRunner:
             live.check(self, a, now)
         elif self.state is JobState.STOPPING:
             stopping.advance(self, now)
-        elif self.state is JobState.BACKOFF and leave.relaunch_due(self, now):
+        elif self.state is JobState.BACKOFF and self.engine.relaunch_due(self, now):
             launch(self, "relaunch")
 
     def next_wake(self, now: float) -> float:
@@ -339,7 +335,7 @@ class JobRunner:
         if self.state is JobState.STARTING:
             wake = min(wake, self.ranks.started + live.RUNNING_WITHOUT_BEATS)
         if self.state in (JobState.STARTING, JobState.RUNNING):
-            times = [stallwatch.deadline(self, now), group.wake(self, now),
+            times = [stallwatch.deadline(self, now), self.engine.wake(self, now),
                      self.first_failure.next_scan(),
                      None if self.hang_latched else detector_deadline(self.view(now))]
             wake = min([wake, *(t for t in times if t is not None)])
@@ -362,10 +358,6 @@ class JobRunner:
     def take_drill(self, *kinds: str) -> DrillNotice | None:
         d, self.drill = self.drill, None
         return d if d is not None and any(d.fits(k, self.clock()) for k in kinds) else None
-
-    def on_gpu_fault(self, fault: Fault) -> None:
-        """A fault of one of this job's GPUs (routed here by the supervisor)."""
-        respond.on_gpu_fault(self, fault)
 
     # --- stopping ------------------------------------------------------------
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from trainwatch.export.events import Events
     from trainwatch.export.goodput import Goodput
     from trainwatch.lifecycle.drill import DrillNotice
+    from trainwatch.lifecycle.engine import Engine
     from trainwatch.lifecycle.policy import RestartHistory, XidHistory
     from trainwatch.multihost.group import Group
     from trainwatch.privsep.jobhands import JobHands
@@ -100,6 +101,8 @@ class Runner(JobParts, Protocol):
     def first_failure(self) -> FirstFailure: ...
     @property
     def outages(self) -> Goodput: ...
+    @property
+    def engine(self) -> Engine: ...  # what restarts it (lifecycle/engine.py)
     @property
     def checkpoints(self) -> Summary: ...  # the exporter's, refreshed by job.py
     checkpoints_at: float  # when that summary is refreshed next (0: at the next tick)

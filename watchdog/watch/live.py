@@ -12,7 +12,6 @@ from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.tree import stopped_ranks
 from trainwatch.detectors import run as run_detectors
 from trainwatch.lifecycle import respond
-from trainwatch.multihost import group
 from trainwatch.types import JobState
 from trainwatch.watch import logwatch, stallwatch
 
@@ -33,7 +32,7 @@ def check(r: Runner, a: Attempt, now: float) -> None:
         r.to(JobState.RUNNING, f"up {RUNNING_WITHOUT_BEATS:g}s without heartbeats")
     r.first_failure.tick(r, now)  # the rank processes, watched
     # A multi-host job: a rank's own end, a peer's restart, evidence before a restart.
-    if group.check(r, a, now) or r.state not in _LIVE:
+    if r.engine.check(r, a, now) or r.state not in _LIVE:
         return
     logwatch.check(r, now)
     stallwatch.check(r, now)
@@ -49,7 +48,7 @@ def check(r: Runner, a: Attempt, now: float) -> None:
         faults = run_detectors("tick", r.view(now, stopped=stopped))
     fault = faults[0] if faults else None
     if fault is not None:
-        if group.held(r, fault, now):
+        if r.engine.held(r, fault, now):
             return  # a multi-host job: the host with the stopped rank names it
         if r.take_drill("hang", "nccl_stall") is not None:
             fault = dataclasses.replace(fault, evidence={**fault.evidence, "source": "drill"})

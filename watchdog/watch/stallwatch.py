@@ -17,7 +17,6 @@ from trainwatch.detectors import stall
 from trainwatch.detectors.stall import Proc, SilentView, StallSettings, StallView
 from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.policy import choose
-from trainwatch.multihost import group
 from trainwatch.sources.procs import Sampler
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
@@ -160,7 +159,7 @@ def _gpu_utilization(r: Runner) -> dict[str, float]:
 
 
 def _act(r: Runner, fault: Fault) -> None:
-    if group.held(r, fault, r.clock()):
+    if r.engine.held(r, fault, r.clock()):
         return  # a multi-host job: the host with the stopped rank names it
     extra: dict[str, object] = {}
     if r.take_drill("nccl_stall", "hang") is not None:

@@ -1,0 +1,1 @@
+"""The local recovery engine: the job's own process tree on this host."""
