@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 from conftest import missing, need_root
+from trainwatch.config.schema import Keep
 from trainwatch.state import retention
 from trainwatch.state.retention import (
     Candidate,
-    Keep,
     Plan,
     candidate,
     delete,

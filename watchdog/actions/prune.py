@@ -27,11 +27,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from trainwatch.actions import background
+from trainwatch.config.schema import Keep
 from trainwatch.privsep.hand import Hand, HandError
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot import format as snapshot_format
 from trainwatch.state import retention
-from trainwatch.state.retention import Keep, Plan
+from trainwatch.state.retention import Plan
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:

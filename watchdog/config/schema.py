@@ -13,7 +13,6 @@ from trainwatch.config.fields import show
 from trainwatch.detectors.logrules import LogRule
 from trainwatch.detectors.loss import LossSettings
 from trainwatch.detectors.stall import StallSettings
-from trainwatch.state.retention import Keep
 from trainwatch.types import Action, FaultKind
 
 # sun_path in struct sockaddr_un is 108 bytes including the terminating NUL.
@@ -23,6 +22,33 @@ DEFAULT_MAX_RANKS = 1024  # ranks believed per job when it declares no world siz
 
 class ConfigError(ValueError):
     """A user's mistake in a config file or flag: printed as one line, exit 2."""
+
+
+@dataclass(frozen=True)
+class Keep:
+    """``checkpoints.keep``; all unset: never delete anything."""
+
+    last: int | None = None  # keep the newest N good checkpoints
+    every: int | None = None  # keep every good checkpoint whose step is a multiple of K
+    pinned: tuple[int, ...] = ()  # steps never deleted
+    min_free_bytes: int | None = None  # delete only while free space is below this
+
+    def __post_init__(self) -> None:
+        for name, least in (("last", 1), ("every", 1), ("min_free_bytes", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < least):
+                raise ValueError(f"checkpoints.keep.{name} must be a whole number >= {least},"
+                                 f" not {value!r}")
+        for step in self.pinned:
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"checkpoints.keep.pinned must hold steps (whole numbers >= 0),"
+                                 f" not {step!r}")
+
+    @property
+    def deletes(self) -> bool:
+        """Whether any rule allows a deletion at all."""
+        return self.last is not None or self.every is not None or self.min_free_bytes is not None
 
 
 @dataclass(frozen=True)

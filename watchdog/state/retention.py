@@ -49,31 +49,20 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-@dataclass(frozen=True)
-class Keep:
-    """``checkpoints.keep``; all unset: never delete anything."""
-
-    last: int | None = None  # keep the newest N good checkpoints
-    every: int | None = None  # keep every good checkpoint whose step is a multiple of K
-    pinned: tuple[int, ...] = ()  # steps never deleted
-    min_free_bytes: int | None = None  # delete only while free space is below this
-
-    def __post_init__(self) -> None:
-        for name, least in (("last", 1), ("every", 1), ("min_free_bytes", 0)):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < least):
-                raise ValueError(f"checkpoints.keep.{name} must be a whole number >= {least},"
-                                 f" not {value!r}")
-        for step in self.pinned:
-            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-                raise ValueError(f"checkpoints.keep.pinned must hold steps (whole numbers >= 0),"
-                                 f" not {step!r}")
+class Rules(Protocol):
+    """``checkpoints.keep`` (config.schema.Keep), as the planner reads it; a
+    protocol, so that this file needs the standard library alone."""
 
     @property
-    def deletes(self) -> bool:
-        """Whether any rule allows a deletion at all."""
-        return self.last is not None or self.every is not None or self.min_free_bytes is not None
+    def last(self) -> int | None: ...
+    @property
+    def every(self) -> int | None: ...
+    @property
+    def pinned(self) -> tuple[int, ...]: ...
+    @property
+    def min_free_bytes(self) -> int | None: ...
+    @property
+    def deletes(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -125,7 +114,7 @@ def candidate(entry: Entry, size: int = 0) -> Candidate:
                      quarantined, size)
 
 
-def _protections(c: Candidate, keep: Keep, resumed_from: int | None, last_good: int | None,
+def _protections(c: Candidate, keep: Rules, resumed_from: int | None, last_good: int | None,
                  shared: bool) -> list[str]:
     why = []
     if c.step == resumed_from:
@@ -146,7 +135,7 @@ def _protections(c: Candidate, keep: Keep, resumed_from: int | None, last_good: 
     return why
 
 
-def plan(cands: Sequence[Candidate], keep: Keep, *, resumed_from: int | None,
+def plan(cands: Sequence[Candidate], keep: Rules, *, resumed_from: int | None,
          free_bytes: int | None) -> Plan:
     """Which checkpoints to delete, and why each other one is kept. Pure and
     deterministic: the same plan for the same candidates in any order."""
