@@ -14,12 +14,12 @@ from trainwatch.state.gpuhealth import GpuState
 from trainwatch.types import GpuSample
 
 if TYPE_CHECKING:
-    from trainwatch.host.supervisor import Supervisor
+    from trainwatch.export.scraped import Scraped
 
 RECOVERY_ACTIONS = ("none", "gpu_reset", "node_reboot", "drain_p2p", "drain_and_reset")
 
 
-def families(sup: Supervisor) -> Iterator[Metric]:
+def families(sup: Scraped) -> Iterator[Metric]:
     """The GPUs' last samples, health and Xid counts (read under the loop's lock)."""
     w = sup.gpus
     if w is None:

@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 from trainwatch.actions.cgroup import AttemptCgroup, Usage
 
 if TYPE_CHECKING:
-    from trainwatch.host.supervisor import Supervisor
+    from trainwatch.export.scraped import Scraped
 
 _ABSENT = " Absent while the job's attempt has no cgroup of its own (cgroup v2 not writable)."
 _NO_MEMCG = " Absent also where the memory controller is not enabled for the attempt's cgroup."
@@ -64,7 +64,7 @@ class _Totals:
 class JobUsageCollector(Collector):
     """trainwatch_job_cpu_seconds_total, memory and OOM kills, per job."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Scraped) -> None:
         self.sup = supervisor
         self._totals: dict[str, _Totals] = {}
         self._lock = threading.Lock()  # concurrent scrapes update the totals

@@ -42,7 +42,7 @@ from trainwatch.state import statewrites
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
-    from trainwatch.host.supervisor import Supervisor
+    from trainwatch.export.scraped import Scraped
     from trainwatch.lifecycle.runner import Runner
 
 # A live attempt: its ranks' heartbeat ages are shown.
@@ -52,7 +52,7 @@ _LIVE = (JobState.STARTING, JobState.RUNNING)
 class StateCollector(Collector):
     """Everything trainwatch knows, read from the supervisor at scrape time."""
 
-    def __init__(self, supervisor: Supervisor, lock_timeout: float = 2.0) -> None:
+    def __init__(self, supervisor: Scraped, lock_timeout: float = 2.0) -> None:
         self.sup = supervisor
         self.lock_timeout = lock_timeout
 
@@ -247,7 +247,7 @@ class ServerCollector(Collector):
 class Exporter:
     """The registry and, once started, the HTTP server on ``address:port``."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Scraped) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.events = Events(self.registry)
         self.registry.register(StateCollector(supervisor))

@@ -24,10 +24,12 @@ from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler  # type: ignore[import-untyped]
 from trainwatch.config import Config, ConfigError, load, slurmwatch
+from trainwatch.host.access import Peer
+from trainwatch.host.deferred import Later
 from trainwatch.host.service import Service
 from trainwatch.host.supervisor import Supervisor
 from trainwatch.lifecycle.job import JobRunner
-from trainwatch.slurm import node, readopt, register
+from trainwatch.slurm import attach, node, readopt, register
 from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")
@@ -72,6 +74,13 @@ class Daemon(Supervisor):
             self.scheduler.add_job(health.tick, "interval", seconds=2.0, id="slurm-node")
 
     # --- the loop's edges ------------------------------------------------------
+
+    def _on_control(self, op: str, args: dict[str, Any], peer: Peer
+                    ) -> dict[str, Any] | Later:
+        if op == "attach":  # a Slurm rank's: its proof is the authorisation (attach.py)
+            self.agenda.poke_all()
+            return attach.answer(self, args, peer)
+        return super()._on_control(op, args, peer)
 
     def _signals(self) -> tuple[int, ...]:
         return (signal.SIGINT.value, signal.SIGTERM.value, signal.SIGHUP.value)

@@ -24,7 +24,6 @@ from trainwatch.host import access, drillrequests
 from trainwatch.host.access import Peer
 from trainwatch.host.deferred import Later
 from trainwatch.lifecycle.policy import RestartHistory
-from trainwatch.slurm import attach
 from trainwatch.state import checkpointlist
 from trainwatch.types import JobState
 
@@ -38,6 +37,7 @@ OPS = frozenset({"status", "incidents", "checkpoints", "rollback", "pause", "res
                  "start", "reload"})
 READS = frozenset({"status", "incidents", "checkpoints"})  # change nothing
 QUIET = READS | {"attach"}  # not logged one by one (a rank asks again every 0.2 s)
+NO_SLURM = "this trainwatch watches no Slurm jobs (its config has no slurm: section)"
 _INCIDENTS_MAX = 200  # rows in one reply (a datagram of at most 64 KiB)
 
 
@@ -46,8 +46,8 @@ def answer(sup: Supervisor, op: str, args: dict[str, Any], peer: Peer
     """The reply to one request from ``peer`` (a Later when it waits for a job's
     hand: deferred.py); raises access.Refused before any work when the request
     is not theirs to make."""
-    if op == "attach":  # any user's rank: the proof is the authorisation
-        return attach.answer(sup, args, peer)
+    if op == "attach":  # a Slurm rank's; the daemon answers it (daemon.py) where it can
+        raise ValueError(NO_SLURM)
     if op not in OPS:
         return drillrequests.answer(sup, op, args, peer)
     if op == "status":

@@ -26,6 +26,7 @@ from trainwatch.actions.launch import begin_attempt
 from trainwatch.config import slurmwatch
 from trainwatch.config.schema import Job, SlurmWatch
 from trainwatch.host.access import Peer, Refused
+from trainwatch.host.operations import NO_SLURM
 from trainwatch.slurm import readopt, requeue
 from trainwatch.slurm.command import Slurm
 from trainwatch.slurm.proof import Proven
@@ -52,8 +53,7 @@ def answer(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
     """The reply to one attach request (register.py's, plus where to beat once proven)."""
     reg, settings = getattr(sup, "registry", None), sup.config.slurm
     if reg is None or settings is None:
-        raise ValueError("this trainwatch watches no Slurm jobs (its config has no slurm: "
-                         "section)")
+        raise ValueError(NO_SLURM)
     reply: dict[str, Any] = reg.answer(args, peer)
     if not reply.get("proven"):
         return reply
