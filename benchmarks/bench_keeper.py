@@ -40,7 +40,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_summary, machine, machine_line, summarize, write_json
-from trainwatch.actions import credentials, kept
+from trainwatch.actions import kept
+from trainwatch.privsep import credentials
 
 MS = 1000.0
 

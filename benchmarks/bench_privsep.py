@@ -99,10 +99,9 @@ from _common import (
     write_json,
 )
 from bench_verify import FILES, TOTAL, drop_cache, resident, write_checkpoint
-from trainwatch.actions import credentials
-from trainwatch.actions.credentials import Identity
 from trainwatch.config import Checkpoints
-from trainwatch.privsep import child
+from trainwatch.privsep import child, credentials
+from trainwatch.privsep.credentials import Identity
 from trainwatch.privsep.hand import Hand
 from trainwatch.sources import ring
 from trainwatch.state.checkpointlayout import make_layout

@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 from trainwatch.actions import cgroup
-from trainwatch.actions.tree import proc_stat
+from trainwatch.sources.procstat import proc_stat
 from trainwatch.state.joblock import lock_path
 
 

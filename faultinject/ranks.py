@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psutil
-from trainwatch.actions.tree import proc_stat
+from trainwatch.sources.procstat import proc_stat
 
 
 class Unreadable(Exception):

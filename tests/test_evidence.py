@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 from conftest import missing, wait_for
-from trainwatch.actions.tree import proc_stat
 from trainwatch.evidence import flightrecorder, pyspy
 from trainwatch.evidence.capture import Capture, Target
 from trainwatch.evidence.show import folder, render
+from trainwatch.sources.procstat import proc_stat
 
 JOBS = Path(__file__).parent / "jobs"
 TARGET = JOBS / "stacktarget.py"

@@ -16,9 +16,10 @@ import pytest
 from conftest import Workspace, missing, wait_for
 from trainwatch.actions import cgroup
 from trainwatch.actions.cgroup import AttemptCgroup
-from trainwatch.actions.tree import is_gone, proc_stat
+from trainwatch.actions.tree import is_gone
 from trainwatch.export import status as jobstatus
-from trainwatch.state import joblock
+from trainwatch.sources.procstat import proc_stat
+from trainwatch.state import jobdir, joblock
 
 
 def _faultinject(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -58,7 +59,7 @@ def _publish(ws: Workspace, pid: int, ranks: dict[str, int] | None = None,
     s: dict[str, Any] = {"job": "job", "state": "running", "attempt": 0, "pid": pid,
                          "pgid": pid, "ranks": {k: v for k, v in (ranks or {}).items()},
                          "cgroup": cgroup_path}
-    jobstatus.make_job_dir(ws.state, "job")
+    jobdir.make_job_dir(ws.state, "job")
     assert jobstatus.publish(ws.state, "job", s)
 
 

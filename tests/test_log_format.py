@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Workspace, wait_for
-from trainwatch.cli.logformat import JsonFormatter
+from trainwatch.export.logformat import JsonFormatter
 
 KEYS = {"time", "level", "logger", "job", "event", "fields"}
 # ISO 8601 in UTC with milliseconds, as the text format's timestamp.
@@ -192,7 +192,7 @@ def test_a_users_text_never_starts_a_line_of_the_text_log(ws: Workspace) -> None
 
 def test_the_text_format_shows_control_characters_as_escapes() -> None:
     """cescape: C0 and C1 controls, DEL and the Unicode line separators, one line."""
-    from trainwatch.cli.logformat import IsoFormatter, cescape
+    from trainwatch.export.logformat import IsoFormatter, cescape
 
     assert cescape("a\nb\rc\td\x1b[31me\x7ff\x85g\u2028h\u2029i") == \
         "a\\nb\\rc\\td\\x1b[31me\\x7ff\\x85g\\u2028h\\u2029i"

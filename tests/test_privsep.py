@@ -32,13 +32,13 @@ from conftest import (
     wait_for,
 )
 from trainwatch.actions import background, prune, pull, ringfolder
-from trainwatch.actions.credentials import Identity, resolve
 from trainwatch.config import Checkpoints, Job, from_mapping
 from trainwatch.evidence import flightrecorder
 from trainwatch.host.supervisor import Supervisor
 from trainwatch.layouts import base as layouts_base
 from trainwatch.layouts import megatron
 from trainwatch.privsep import child, jobhands
+from trainwatch.privsep.credentials import Identity, resolve
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot import format as snapshot_format
@@ -618,7 +618,7 @@ def test_the_auto_layout_reads_a_folder_of_many_names_only_so_far(
 
 _DAEMON = """
 import os, sys, time
-from trainwatch.actions.credentials import resolve
+from trainwatch.privsep.credentials import resolve
 from trainwatch.privsep.hand import Hand
 hand = Hand("t", resolve(sys.argv[1], None))
 print(hand.call(os.getpid, timeout=30), flush=True)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import psutil
 import pytest
 from conftest import wait_for
-from trainwatch.actions.tree import JobTree, proc_stat, start_time
+from trainwatch.actions.tree import JobTree, start_time
 from trainwatch.slurm.step import StepTree
+from trainwatch.sources.procstat import proc_stat
 
 USER = 4321  # a datagram's uid that is not root's: root is believed whatever its pid
 

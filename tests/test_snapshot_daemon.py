@@ -243,8 +243,8 @@ def test_a_pull_runs_as_the_jobs_user_so_what_it_makes_is_theirs_and_nothing_is_
     the store and the pulled snapshot are made by the job's user, pulled or not; a store
     swapped for a link to root's folder is the user's to follow, and root's files
     there keep their owner (the old pull chowned them to the user)."""
-    from trainwatch.actions import credentials
     from trainwatch.actions.pull import Pull
+    from trainwatch.privsep import credentials
     from trainwatch.snapshot.remote import Remote, upload
 
     user = local_user(run_name("test1"))

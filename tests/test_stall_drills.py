@@ -17,8 +17,8 @@ import psutil
 import pytest
 from conftest import Workspace, wait_for
 from test_torchrun import _ddp
-from trainwatch.actions.tree import proc_stat
 from trainwatch.detectors.logrules import BUILTIN, compile_rules
+from trainwatch.sources.procstat import proc_stat
 
 from faultinject.joblog import PRESETS
 

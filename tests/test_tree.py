@@ -20,8 +20,9 @@ from conftest import missing, wait_for
 from trainwatch.actions import cgroup
 from trainwatch.actions import watcher as watchers
 from trainwatch.actions.attempt import Attempt
-from trainwatch.actions.tree import is_gone, proc_stat
+from trainwatch.actions.tree import is_gone
 from trainwatch.config import Job
+from trainwatch.sources.procstat import proc_stat
 
 NOBODY = 65534
 

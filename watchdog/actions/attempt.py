@@ -3,7 +3,7 @@
 The job is started by its keeper (keeper.py, kept.py), a small parent of its
 own, in a session of its own, in its own cgroup where we may create one
 (tree.py, cgroup.py), with the credentials of its user and group
-(credentials.py) and the environment of DESIGN.md (jobenv.py). Its stdout and stderr go
+(privsep/credentials.py) and the environment of DESIGN.md (jobenv.py). Its stdout and stderr go
 straight to a per-attempt log file in ``state_dir``, never through a pipe to
 trainwatch: the job outlives trainwatch, and its output keeps flowing while
 trainwatch is down. ``trainwatch run`` follows the file to its own stdout
@@ -25,13 +25,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainwatch.actions import credentials, kept, passthrough, watcher
+from trainwatch.actions import kept, passthrough, watcher
 from trainwatch.actions.cgroup import AttemptCgroup
-from trainwatch.actions.credentials import Identity
 from trainwatch.actions.jobenv import job_argv, job_env
 from trainwatch.actions.logfollow import LogFollower
 from trainwatch.actions.tree import JobTree
 from trainwatch.config import Job
+from trainwatch.privsep import credentials
+from trainwatch.privsep.credentials import Identity
 from trainwatch.state import statewrites
 from trainwatch.state.ownership import set_mode
 

@@ -18,6 +18,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from trainwatch.sources.procstat import read_small
+
 _PROC = "/proc"
 _SWEEP_AFTER = 60.0  # seconds
 _leftover: set[str] = set()  # our cgroups closed while processes remained (observe_only)
@@ -46,20 +48,6 @@ def _own(proc_cgroup: str) -> str | None:
     except OSError:
         return None
     return None
-
-
-def read_small(path: str) -> bytes | None:
-    """One read of a small /proc file (os.open: half the cost of open())."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, 65536)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def of(pid: int) -> str | None:

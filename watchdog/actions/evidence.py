@@ -17,11 +17,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwatch.actions import credentials
 from trainwatch.config import Job
 from trainwatch.evidence import flightrecorder, series
 from trainwatch.evidence.capture import Capture, Target
 from trainwatch.evidence.show import CATALOG, folder
+from trainwatch.privsep import credentials
 from trainwatch.types import Fault
 
 if TYPE_CHECKING:

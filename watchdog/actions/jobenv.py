@@ -24,10 +24,15 @@ import os
 import pwd
 from collections.abc import Mapping
 
-from trainwatch.actions.credentials import Identity
 from trainwatch.config import Job
-from trainwatch.host.service import SERVICE_ENV
+from trainwatch.privsep.credentials import Identity
 from trainwatch.sources import ring
+
+# systemd's variables for the main process only. A job launched by the daemon
+# inherits them unless they are dropped: a job that speaks sd_notify itself
+# would then write to the daemon's socket (and be refused by NotifyAccess=main).
+SERVICE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
+               "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
 
 # systemd's PATH for the services it starts (the split-/usr variant).
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

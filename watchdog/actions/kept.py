@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from trainwatch.actions.keeper import boot_id
-from trainwatch.actions.tree import proc_stat
+from trainwatch.sources.procstat import proc_stat
 
 KEEPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "keeper.py")
 _HZ = os.sysconf("SC_CLK_TCK")

@@ -35,7 +35,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainwatch.actions import credentials, hook, jobenv
+from trainwatch.actions import hook, jobenv
+from trainwatch.privsep import credentials
 from trainwatch.privsep.hand import Hand, HandError, HandTimeout, OpFailed
 from trainwatch.types import JobState
 

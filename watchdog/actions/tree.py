@@ -29,7 +29,8 @@ import signal as _signal
 from collections.abc import Iterable
 
 import psutil
-from trainwatch.actions.cgroup import AttemptCgroup, read_small
+from trainwatch.actions.cgroup import AttemptCgroup
+from trainwatch.sources.procstat import proc_stat
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -42,19 +43,6 @@ def become_subreaper() -> bool:
         return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
-
-
-def proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, start time in clock ticks since boot) of a process; None when gone."""
-    data = read_small(f"/proc/{pid}/stat")
-    if data is None:
-        return None
-    # The name (field 2) may hold spaces and parentheses: split after the last ")".
-    fields = data[data.rfind(b")") + 2:].split()
-    try:
-        return fields[0].decode(), int(fields[1]), int(fields[19])
-    except (IndexError, ValueError):
-        return None
 
 
 def start_time(pid: int) -> int | None:

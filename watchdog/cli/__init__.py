@@ -13,8 +13,6 @@ from typing import Any, NoReturn
 
 from trainwatch import __version__
 from trainwatch.cli import commands
-from trainwatch.cli.logformat import FORMATS as LOG_FORMATS
-from trainwatch.cli.logformat import IsoFormatter, JsonFormatter
 from trainwatch.config import (
     ConfigError,
     Job,
@@ -25,6 +23,8 @@ from trainwatch.config import (
     socket_problem,
 )
 from trainwatch.config.sections import REMOTE_LAYOUTS
+from trainwatch.export.logformat import FORMATS as LOG_FORMATS
+from trainwatch.export.logformat import IsoFormatter, JsonFormatter
 from trainwatch.multihost import torchrun
 
 DEFAULT_CONFIG = "/etc/trainwatch/trainwatch.yaml"

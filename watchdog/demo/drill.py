@@ -311,7 +311,7 @@ def _report(tmp: Path, seed: int, drill: _Drill, rc: int, elapsed: float, keep: 
 
 
 def run_demo(seed: int = 7, keep: bool = False) -> int:
-    from trainwatch.cli.logformat import IsoFormatter
+    from trainwatch.export.logformat import IsoFormatter
 
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(IsoFormatter("%(asctime)s %(message)s"))

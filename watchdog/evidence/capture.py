@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from trainwatch.actions.tree import proc_stat
 from trainwatch.detectors import stacks
 from trainwatch.evidence import flightrecorder, logtail, pyspy
 from trainwatch.privsep.hand import Hand, HandError
+from trainwatch.sources.procstat import proc_stat
 from trainwatch.state.atomic import FILE_MODE, makedirs, write_json
 
 SUMMARY = "evidence.json"

@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from trainwatch.actions import credentials, jobenv
+from trainwatch.actions import jobenv
 from trainwatch.config import ConfigError, Job
+from trainwatch.privsep import credentials
 
 
 def check_command(job: Job, foreground: bool = True) -> None:

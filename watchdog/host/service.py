@@ -25,12 +25,6 @@ log = logging.getLogger("trainwatch")
 STATUS_MAX = 200  # systemctl status shows one line; keep it readable
 IDENTIFIER = "trainwatch"  # SYSLOG_IDENTIFIER, so `journalctl -t trainwatch` finds us
 
-# systemd's variables for the main process only. A job launched by the daemon
-# inherits them unless they are dropped: a job that speaks sd_notify itself
-# would then write to the daemon's socket (and be refused by NotifyAccess=main).
-SERVICE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID",
-               "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
-
 _said_missing = False  # the "extra is not installed" line is logged once per process
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-from trainwatch.actions import credentials, tree
+from trainwatch.actions import tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.export.metrics import Exporter
 from trainwatch.host import operations
@@ -27,6 +27,7 @@ from trainwatch.host.control import ControlSocket, Later
 from trainwatch.host.jobcheck import check_command
 from trainwatch.lifecycle import gpufault
 from trainwatch.lifecycle.job import GRID, JobRunner
+from trainwatch.privsep import credentials
 from trainwatch.sources.heartbeat import SocketInUse
 from trainwatch.state import joblock, ownership
 from trainwatch.state.ledger import Ledger

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from trainwatch.actions import background, credentials, prune, pull
+from trainwatch.actions import background, prune, pull
 from trainwatch.actions import stop as stopping
 from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.launch import launch
@@ -36,13 +36,14 @@ from trainwatch.export import status
 from trainwatch.export.events import Events
 from trainwatch.export.goodput import Goodput
 from trainwatch.host import adopt
+from trainwatch.lifecycle import saved
 from trainwatch.lifecycle.drill import DrillNotice
 from trainwatch.lifecycle.engines import engine_for
 from trainwatch.lifecycle.policy import RestartHistory, XidHistory
 from trainwatch.multihost import group
-from trainwatch.privsep import jobhands
+from trainwatch.privsep import credentials, jobhands
 from trainwatch.sources.ranks import Ranks
-from trainwatch.state import runtime, verifier
+from trainwatch.state import jobdir, runtime, verifier
 from trainwatch.state.catalog import Catalog, Summary
 from trainwatch.state.ledger import Ledger
 from trainwatch.types import TRANSITIONS, Beat, JobState, ProcessExit
@@ -105,7 +106,7 @@ class JobRunner:
         self.grid = grid
         self.clock = clock
         self.rng = rng or random.Random()
-        self.dir = status.job_dir(config.state_dir, job.name)
+        self.dir = jobdir.job_dir(config.state_dir, job.name)
         owner = job.checkpoints.dir or " ".join(job.command)
         # Its folders are read and changed as its user, in processes of their own.
         self.hands = jobhands.for_job(job.name, credentials.resolve(job.user, job.group))
@@ -182,7 +183,7 @@ class JobRunner:
 
     def save(self) -> None:
         """The runtime state, for a restarted daemon (state/runtime.py)."""
-        runtime.save(self.dir, runtime.of(self), time.time())
+        runtime.save(self.dir, saved.of(self), time.time())
 
     @property
     def ranks_over_cap(self) -> int:

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import credentials
 from trainwatch.multihost import group, preflight, records, rounds
+from trainwatch.privsep import credentials
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainwatch.actions.credentials import Identity
+    from trainwatch.privsep.credentials import Identity
     from trainwatch.watch.gpuwatch import GpuWatch
 
 log = logging.getLogger("trainwatch")

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from trainwatch.actions.credentials import Identity
+from trainwatch.privsep.credentials import Identity
 from trainwatch.privsep.hand import BLOB, REPLY, REQUEST, Blobs
 
 # Seconds a new hand may take to become the job's user (its imports included).

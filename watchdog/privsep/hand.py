@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainwatch.actions.credentials import Identity
+from trainwatch.privsep.credentials import Identity
 
 log = logging.getLogger("trainwatch")
 

@@ -14,8 +14,8 @@ import stat
 import sysconfig
 from dataclasses import dataclass
 
-from trainwatch.actions import credentials
-from trainwatch.actions.credentials import Identity
+from trainwatch.privsep import credentials
+from trainwatch.privsep.credentials import Identity
 from trainwatch.privsep.hand import Hand
 
 log = logging.getLogger("trainwatch")

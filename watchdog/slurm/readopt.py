@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainwatch.actions import tree
-from trainwatch.export import status
 from trainwatch.host.access import Peer, Refused
 from trainwatch.slurm.proof import Proven
-from trainwatch.state import atomic
+from trainwatch.state import atomic, jobdir
 
 if TYPE_CHECKING:
     from trainwatch.host.supervisor import Supervisor
@@ -68,7 +67,7 @@ def remember(r: JobRunner, claim: dict[str, Any], proven: Proven) -> None:
 
 def forget(state_dir: str, job: str) -> None:
     try:
-        os.unlink(status.job_dir(state_dir, job) / FILE)
+        os.unlink(jobdir.job_dir(state_dir, job) / FILE)
     except FileNotFoundError:
         pass
     except OSError as e:
@@ -77,7 +76,7 @@ def forget(state_dir: str, job: str) -> None:
 
 def kept(state_dir: str) -> list[Rank]:
     """The ranks the daemon before this one had joined, whose pid still runs."""
-    jobs = status.job_dir(state_dir, "x").parent
+    jobs = jobdir.job_dir(state_dir, "x").parent
     try:
         names = sorted(n for n in os.listdir(jobs) if n.startswith("slurm-"))[:MAX_JOBS]
     except OSError:

@@ -30,8 +30,9 @@ import os
 import time
 from collections.abc import Iterable
 
-from trainwatch.actions.tree import JobTree, proc_stat
+from trainwatch.actions.tree import JobTree
 from trainwatch.slurm.proof import Stat, lineage, read_stat
+from trainwatch.sources.procstat import proc_stat
 
 log = logging.getLogger("trainwatch")
 

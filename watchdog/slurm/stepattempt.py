@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from trainwatch.actions.attempt import Attempt
-from trainwatch.actions.tree import proc_stat
 from trainwatch.config import Job
 from trainwatch.slurm import actions
 from trainwatch.slurm.command import Outcome, Slurm
 from trainwatch.slurm.parse import JobInfo
 from trainwatch.slurm.proof import Proven
 from trainwatch.slurm.step import StepTree
+from trainwatch.sources.procstat import proc_stat
 
 log = logging.getLogger("trainwatch")
 

@@ -25,8 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainwatch.actions.cgroup import read_small
-from trainwatch.actions.tree import proc_stat
+from trainwatch.sources.procstat import proc_stat, read_small
 
 _EXIT_CODE = 49  # /proc/<pid>/stat field 52, counted from field 3 (after the name)
 _TOGETHER = 0.2  # exits seen this close were seen in one wake-up: order unknown

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from trainwatch.config import ConfigError
-from trainwatch.export.status import job_dir, make_job_dir
+from trainwatch.state.jobdir import job_dir, make_job_dir
 
 log = logging.getLogger("trainwatch")
 
@@ -86,7 +86,7 @@ def _holder(fd: int) -> str:
 
 
 def acquire(state_dir: str | os.PathLike[str], job: str, gid: int = -1) -> JobLock:
-    """Take the job's lock (creating its folder, see ``status.make_job_dir``).
+    """Take the job's lock (creating its folder, see ``jobdir.make_job_dir``).
     Raises JobLocked, naming the holder's pid, when another process holds it."""
     make_job_dir(state_dir, job, gid)
     path = lock_path(state_dir, job)

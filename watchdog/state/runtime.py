@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainwatch.state import atomic, statewrites
-from trainwatch.types import JobState
-
-if TYPE_CHECKING:
-    from trainwatch.lifecycle.runner import Runner
 
 VERSION = 1
 
@@ -48,36 +43,6 @@ class Runtime:
     last_incident: int = 0  # the newest stopping incident whose grant ``restarts`` holds
     saved_at: float = 0.0
     v: int = VERSION
-
-
-def of(r: Runner) -> Runtime:
-    """What a restarted daemon needs of the runner ``r`` now (monotonic times
-    turned into wall-clock ones)."""
-    now, wall = r.clock(), time.time()
-    a, s = r.attempt, r.stopping
-    live = a is not None and not a.closed
-    return Runtime(
-        job=r.job.name,
-        state=r.state.value if r.state else None,
-        attempt=r.number,
-        launched=a.launched() if live and a is not None else None,
-        resume_from=a.resume_from if a else None,
-        resumed_step=a.resumed_step if a else None,
-        gpus=a.gpus if a else None,
-        started_at=a.started_wall if a else None,
-        restarts=r.history.to_json(now, wall),
-        relaunch_at=wall + (r.relaunch_at - now) if r.state is JobState.BACKOFF else None,
-        pending_incident=r.pending_incident,
-        stop={"outcome": s.outcome.value, "reason": s.reason, "delay": s.delay}
-        if s is not None else None,
-        last_step=r.last_step,
-        ever_beaten=r.ever_beaten,
-        xids=[(g, wall - (now - t)) for g, t in r.xids_seen],
-        paused=r.paused,
-        restart_count=r.restarts,
-        skip=list(r.skip) if r.skip else None,
-        last_incident=r.last_incident,
-    )
 
 
 def path(job_dir: str | os.PathLike[str]) -> Path:
