@@ -411,7 +411,7 @@ def test_null_startup_timeout_is_accepted_as_off(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("line", "group"), [
-    ("", "trainwatch"),  # trainwatch.host.access.GROUP, the group make install creates
+    ("", "trainwatch"),  # trainwatch.privsep.access.GROUP, the group make install creates
     ("admin_group: gpu-admins\n", "gpu-admins"),
     ("admin_group: '1001'\n", "1001"),  # a gid, quoted as for a job's group
 ])
@@ -648,6 +648,6 @@ def test_check_config_cli_accepts_the_example() -> None:
 
 def test_the_admin_groups_default_is_the_one_the_control_socket_judges_by() -> None:
     from trainwatch.config.schema import Config
-    from trainwatch.host.access import GROUP
+    from trainwatch.privsep.access import GROUP
 
     assert Config.admin_group == GROUP

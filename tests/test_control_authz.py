@@ -42,7 +42,7 @@ from conftest import (
 ADMIN, ALICE, BOB, CAROL = (run_name(role) for role in ("admin", "alice", "bob", "carol"))
 JOBS = {"a": ALICE, "b": BOB}
 # The daemon's admin_group: a group of this run's, not the machine's own trainwatch
-# group (trainwatch.host.access.GROUP, the default), whose members would be admins here.
+# group (trainwatch.privsep.access.GROUP, the default), whose members would be admins here.
 GROUP = run_name("admins")
 # The job: beats ten times a second through the client (running from its first beat).
 BEATER = ("import time\nfrom trainwatch import client\nhb = client.connect()\n"

@@ -1,14 +1,13 @@
 """The torchrun command of a job that spans hosts, as trainwatch runs it
-(trainwatch.multihost.torchrun): which commands are torchrun, where its own
+(trainwatch.config.torchrun): which commands are torchrun, where its own
 options end and the script's begin, what is added, kept, warned or refused."""
 
 from __future__ import annotations
 
 import pytest
 from trainwatch.actions.jobenv import job_env
-from trainwatch.config import Job
-from trainwatch.multihost import torchrun
-from trainwatch.multihost.torchrun import SpanError, parse_nodes, plan, said
+from trainwatch.config import Job, torchrun
+from trainwatch.config.torchrun import SpanError, parse_nodes, plan, said
 
 FLAG = "--max-restarts=1000000"
 RDZV = ["--rdzv-backend=c10d", "--rdzv-endpoint=head:29400", "--rdzv-id=j"]

@@ -27,7 +27,7 @@ import pytest
 from conftest import ServedControl, need_root
 from trainwatch import slurmattach
 from trainwatch.host import control
-from trainwatch.host.access import Peer, Refused
+from trainwatch.privsep.access import Peer, Refused
 
 NOBODY = 65534
 JOB, STEP, RANK = 4242, 0, 3

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from trainwatch.actions import tree
-from trainwatch.host.access import Peer, Refused
+from trainwatch.privsep.access import Peer, Refused
 from trainwatch.slurm import register
 from trainwatch.slurm.command import Outcome, Result
 from trainwatch.slurm.proof import Claim, Proven

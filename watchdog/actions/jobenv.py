@@ -92,7 +92,7 @@ def job_env(
     foreground: bool = True, defaults: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """``defaults``: set unless the job's environment has them (the job's own value
-    wins: a job across hosts, multihost/torchrun.py)."""
+    wins: a job across hosts, config/torchrun.py)."""
     env = base(job, ident, foreground, ours)
     env.update(job.env)
     for k, v in (defaults or {}).items():

@@ -21,11 +21,11 @@ from trainwatch.config import (
     from_mapping,
     load,
     socket_problem,
+    torchrun,
 )
 from trainwatch.config.sections import REMOTE_LAYOUTS
 from trainwatch.export.logformat import FORMATS as LOG_FORMATS
 from trainwatch.export.logformat import IsoFormatter, JsonFormatter
-from trainwatch.multihost import torchrun
 
 DEFAULT_CONFIG = "/etc/trainwatch/trainwatch.yaml"
 LAYOUTS = fields.LAYOUTS

@@ -12,7 +12,7 @@ import re
 import socket
 from typing import Any
 
-from trainwatch.multihost.torchrun import parse_nodes  # pure: it imports nothing of config
+from trainwatch.config.torchrun import parse_nodes  # pure: it imports nothing of config
 
 MAX_DURATION = 10 * 365 * 86400.0  # no timeout, window or backoff is longer than 10 years
 MAX_RANKS = 1 << 20  # a declared world size beyond any job of today

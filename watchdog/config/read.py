@@ -11,7 +11,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainwatch.config import fields, sections, slurmwatch
+from trainwatch.config import fields, sections, slurmwatch, torchrun
 from trainwatch.config.fields import Refused, Said, show
 from trainwatch.config.reader import DUR as _DUR
 from trainwatch.config.reader import MISSING as _MISSING
@@ -37,7 +37,6 @@ from trainwatch.config.schema import (
     default_dirs,
 )
 from trainwatch.detectors.xid import Immediate
-from trainwatch.multihost import torchrun
 from trainwatch.types import DETECTED_KINDS, Action, FaultKind
 
 MAX_SIM_GPUS = 1024
@@ -293,7 +292,7 @@ def _job(r: Reader, i: int, raw: object, policies: Mapping[str, Policy],
 def _nodes(r: Reader, m: Mapping[str, Any], path: str, command: tuple[str, ...],
            env: Mapping[str, str], folder: str | None) -> tuple[int, int] | None:
     """``nodes``: the job spans hosts, through the torchrun command it runs
-    (multihost/torchrun.py), resuming from a folder every host sees."""
+    (config/torchrun.py), resuming from a folder every host sees."""
     nodes: tuple[int, int] | None = r.get(m, "nodes", path, fields.NODES, None)
     if nodes is None:
         return None

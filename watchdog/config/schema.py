@@ -213,7 +213,7 @@ class Job:
     policy: str = "default"
     gpus: Gpus = field(default_factory=lambda: Gpus())
     group: str | None = None  # the job's primary group; None: the user's own
-    # The job spans hosts (torchrun's --nnodes MIN:MAX; multihost/torchrun.py); None:
+    # The job spans hosts (torchrun's --nnodes MIN:MAX; config/torchrun.py); None:
     # this host only. Not `group`, which is the Unix group above.
     nodes: tuple[int, int] | None = None
     anomalies: Anomalies = field(default_factory=Anomalies)
@@ -272,7 +272,7 @@ class Config:
     gpu: Gpu = field(default_factory=Gpu)
     observe_only: bool = False
     removed_jobs: str = "keep"  # a reload: keep running unwatched, or stop
-    # Its members act on every job over the control socket: host/access.py's GROUP
+    # Its members act on every job over the control socket: privsep/access.py's GROUP
     # by default (not imported: the config sits below the host).
     admin_group: str = "trainwatch"
     source: str = "<defaults>"

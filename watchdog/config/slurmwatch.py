@@ -20,7 +20,6 @@ from typing import Any
 from trainwatch.config import fields
 from trainwatch.config.reader import DUR, STR, Reader
 from trainwatch.config.schema import Job, SlurmWatch
-from trainwatch.slurm.command import Slurm
 
 # What an attached job's template may set: not a command, a user, an
 # environment or nodes (Slurm's, and the proven owner's), nor a name.
@@ -42,8 +41,3 @@ def read(r: Reader, raw: object, host: str,
                       timeout=r.get(m, "timeout", "slurm", DUR, SlurmWatch.timeout),
                       forget_after=r.get(m, "forget_after", "slurm", DUR,
                                          SlurmWatch.forget_after))
-
-
-def command(s: SlurmWatch) -> Slurm:
-    """How the daemon runs Slurm's commands for these settings."""
-    return Slurm(conf=s.conf, timeout=s.timeout)

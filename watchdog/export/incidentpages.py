@@ -1,5 +1,5 @@
 """What each local user may see of the incident pages served on the metrics
-port (pageserve.py): the control socket's rule (host/access.py). Root, the
+port (pageserve.py): the control socket's rule (privsep/access.py). Root, the
 daemon's user and the admin group see every job's incidents; any other local
 user only those of the jobs that run as them; a job no longer in the config
 (removed, or an attached Slurm job forgotten) is the admins' alone; a client
@@ -13,7 +13,7 @@ import pwd
 from collections.abc import Callable
 from typing import Any
 
-from trainwatch.host.access import Peers, may
+from trainwatch.privsep.access import Peers, may
 from trainwatch.state.ledger import Ledger
 
 MAX_ROWS = 2000  # newest incidents an index lists

@@ -37,7 +37,7 @@ from trainwatch.export.families import gauge as _gauge
 from trainwatch.export.incidentpages import IncidentPages
 from trainwatch.export.jobusage import JobUsageCollector
 from trainwatch.export.metricsserver import MetricsServer
-from trainwatch.host.access import Peers
+from trainwatch.privsep.access import Peers
 from trainwatch.state import statewrites
 from trainwatch.types import JobState
 

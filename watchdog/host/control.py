@@ -52,8 +52,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainwatch.host.access import GROUP, Peer, Peers, Refused
 from trainwatch.host.deferred import Deferrals, Later
+from trainwatch.privsep.access import GROUP, Peer, Peers, Refused
 from trainwatch.sources.heartbeat import SocketInUse, listening
 
 log = logging.getLogger("trainwatch")

@@ -23,13 +23,13 @@ from dataclasses import replace
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler  # type: ignore[import-untyped]
-from trainwatch.config import Config, ConfigError, load, slurmwatch
-from trainwatch.host.access import Peer
+from trainwatch.config import Config, ConfigError, load
 from trainwatch.host.deferred import Later
 from trainwatch.host.service import Service
 from trainwatch.host.supervisor import Supervisor
 from trainwatch.lifecycle.job import JobRunner
-from trainwatch.slurm import attach, node, readopt, register
+from trainwatch.privsep.access import Peer
+from trainwatch.slurm import attach, command, node, readopt, register
 from trainwatch.types import JobState
 
 log = logging.getLogger("trainwatch")
@@ -65,7 +65,7 @@ class Daemon(Supervisor):
         # Ranks of Slurm jobs attach over the control socket (slurm/attach.py).
         self.readopt: readopt.Readopt | None = None
         if config.slurm is not None:
-            slurm = slurmwatch.command(config.slurm)
+            slurm = command.for_settings(config.slurm)
             self.registry = register.Registry(config.slurm.node, register.prover(slurm))
             self.readopt = readopt.Readopt(config.state_dir)  # ranks a daemon before joined
             health = node.NodeHealth(config.slurm.node, slurm, self.gpus, config.gpu.backend,

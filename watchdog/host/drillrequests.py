@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from trainwatch.host import access
-from trainwatch.host.access import Peer
+from trainwatch.privsep import access
+from trainwatch.privsep.access import Peer
 from trainwatch.watch import anomalies
 
 if TYPE_CHECKING:

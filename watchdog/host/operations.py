@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING, Any
 from trainwatch import __version__
 from trainwatch.actions import prune, rollback
 from trainwatch.actions.launch import launch
-from trainwatch.host import access, drillrequests
-from trainwatch.host.access import Peer
+from trainwatch.host import drillrequests
 from trainwatch.host.deferred import Later
 from trainwatch.lifecycle.policy import RestartHistory
+from trainwatch.privsep import access
+from trainwatch.privsep.access import Peer
+from trainwatch.slurm.command import NO_SLURM
 from trainwatch.state import checkpointlist
 from trainwatch.types import JobState
 
@@ -37,7 +39,6 @@ OPS = frozenset({"status", "incidents", "checkpoints", "rollback", "pause", "res
                  "start", "reload"})
 READS = frozenset({"status", "incidents", "checkpoints"})  # change nothing
 QUIET = READS | {"attach"}  # not logged one by one (a rank asks again every 0.2 s)
-NO_SLURM = "this trainwatch watches no Slurm jobs (its config has no slurm: section)"
 _INCIDENTS_MAX = 200  # rows in one reply (a datagram of at most 64 KiB)
 
 

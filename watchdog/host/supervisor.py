@@ -21,13 +21,13 @@ from trainwatch.actions import tree
 from trainwatch.config import Config, ConfigError, Job
 from trainwatch.export.metrics import Exporter
 from trainwatch.host import operations
-from trainwatch.host.access import Peer, Peers
 from trainwatch.host.agenda import Agenda
 from trainwatch.host.control import ControlSocket, Later
 from trainwatch.host.jobcheck import check_command
 from trainwatch.lifecycle import gpufault
 from trainwatch.lifecycle.job import GRID, JobRunner
 from trainwatch.privsep import credentials
+from trainwatch.privsep.access import Peer, Peers
 from trainwatch.sources.heartbeat import SocketInUse
 from trainwatch.state import joblock, ownership
 from trainwatch.state.ledger import Ledger

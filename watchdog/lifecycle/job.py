@@ -35,8 +35,7 @@ from trainwatch.detectors import next_deadline as detector_deadline
 from trainwatch.export import status
 from trainwatch.export.events import Events
 from trainwatch.export.goodput import Goodput
-from trainwatch.host import adopt
-from trainwatch.lifecycle import saved
+from trainwatch.lifecycle import adopt, saved
 from trainwatch.lifecycle.drill import DrillNotice
 from trainwatch.lifecycle.engines import engine_for
 from trainwatch.lifecycle.policy import RestartHistory, XidHistory

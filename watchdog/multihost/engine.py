@@ -12,8 +12,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from trainwatch.actions import stop as stopping
+from trainwatch.config import torchrun
 from trainwatch.local.engine import Local
-from trainwatch.multihost import group, leave, torchrun
+from trainwatch.multihost import group, leave
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:

@@ -19,16 +19,14 @@ import shutil
 import signal
 import stat
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainwatch.actions import attempt
 from trainwatch.actions.launch import begin_attempt
-from trainwatch.config import slurmwatch
 from trainwatch.config.schema import Job, SlurmWatch
-from trainwatch.host.access import Peer, Refused
-from trainwatch.host.operations import NO_SLURM
-from trainwatch.slurm import readopt, requeue
-from trainwatch.slurm.command import Slurm
+from trainwatch.privsep.access import Peer, Refused
+from trainwatch.slurm import command, readopt, requeue
+from trainwatch.slurm.command import NO_SLURM, Slurm
 from trainwatch.slurm.proof import Proven
 from trainwatch.slurm.register import RETRY
 from trainwatch.slurm.stepattempt import StepAttempt
@@ -36,8 +34,11 @@ from trainwatch.types import JobState
 from trainwatch.watch import exits
 
 if TYPE_CHECKING:
-    from trainwatch.host.supervisor import Supervisor
-    from trainwatch.lifecycle.job import JobRunner
+    from collections.abc import Sequence
+
+    from trainwatch.config import Config
+    from trainwatch.lifecycle.runner import Runner
+    from trainwatch.slurm.register import Registry
 
 log = logging.getLogger("trainwatch")
 
@@ -45,13 +46,25 @@ _LIVE = (JobState.STARTING, JobState.RUNNING)
 _PROVEN = tuple(f.name for f in dataclasses.fields(Proven))
 
 
+class Hosting(Protocol):
+    """What the attach op needs of the daemon that answers it (host/daemon.py)."""
+
+    @property
+    def config(self) -> Config: ...
+    @property
+    def registry(self) -> Registry | None: ...  # None: no slurm: section
+    @property
+    def runners(self) -> Sequence[Runner]: ...
+    def add_runner(self, config: Config, j: Job) -> Runner: ...
+
+
 def name_of(job: int) -> str:
     return f"slurm-{job}"
 
 
-def answer(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
+def answer(sup: Hosting, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
     """The reply to one attach request (register.py's, plus where to beat once proven)."""
-    reg, settings = getattr(sup, "registry", None), sup.config.slurm
+    reg, settings = sup.registry, sup.config.slurm
     if reg is None or settings is None:
         raise ValueError(NO_SLURM)
     reply: dict[str, Any] = reg.answer(args, peer)
@@ -59,7 +72,7 @@ def answer(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
         return reply
     proven = Proven(**{k: reply[k] for k in _PROVEN})
     r = _runner(sup, settings, proven, args)
-    a = join(r, proven, slurmwatch.command(settings))
+    a = join(r, proven, command.for_settings(settings))
     if a is None:
         return {"pending": True, "retry": RETRY}
     readopt.remember(r, args, proven)  # for a daemon that starts while the rank runs
@@ -67,8 +80,8 @@ def answer(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
             "attempt": a.number, "resume_from": a.resume_from, "resumed_step": a.resumed_step}
 
 
-def _runner(sup: Supervisor, settings: SlurmWatch, proven: Proven,
-            args: dict[str, Any]) -> JobRunner:
+def _runner(sup: Hosting, settings: SlurmWatch, proven: Proven,
+            args: dict[str, Any]) -> Runner:
     name = name_of(proven.job)
     for r in sup.runners:
         if r.job.name == name:
@@ -88,13 +101,13 @@ def _job(template: Job, name: str, proven: Proven, args: dict[str, Any]) -> Job:
             and "\0" not in d:
         ckpt = replace(ckpt, dir=os.path.normpath(d))
     argv0 = args.get("argv0")
-    command = (argv0[:256],) if isinstance(argv0, str) and argv0 and "\0" not in argv0 \
+    shown = (argv0[:256],) if isinstance(argv0, str) and argv0 and "\0" not in argv0 \
         else template.command  # shown only (status); never run
-    return replace(template, name=name, command=command, user=str(proven.uid),
+    return replace(template, name=name, command=shown, user=str(proven.uid),
                    checkpoints=ckpt, slurm=proven.job)
 
 
-def join(r: JobRunner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
+def join(r: Runner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
     """The attempt of the proven rank's run, begun here if it is the first of its
     run on this node; the run before it is ended first (Slurm requeued the job,
     or its next srun began). None: the run before is still being stopped (the
@@ -125,7 +138,7 @@ def join(r: JobRunner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
     return a
 
 
-def ring_folder(r: JobRunner, proven: Proven) -> str | None:
+def ring_folder(r: Runner, proven: Proven) -> str | None:
     """The run's folder for its ranks' beat rings, in run_dir, the owner's alone
     (0700). One a daemon before this one made is kept, rings and all (their
     writers run on); None (beats come as datagrams) when it cannot be made."""

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from trainwatch.config.schema import SlurmWatch
+
 T = TypeVar("T")
 
 TIMEOUT = 15.0  # seconds; scontrol itself gives up on a dead slurmctld after ~10 s
@@ -44,6 +46,9 @@ REFUSALS = tuple(re.compile(p) for p in (
     r"does not exist on node",  # scontrol listpids: no step of the job there
 ))
 
+
+# The answer to a Slurm rank's attach where no Slurm jobs are watched.
+NO_SLURM = "this trainwatch watches no Slurm jobs (its config has no slurm: section)"
 
 class Outcome(enum.Enum):
     OK = "ok"
@@ -99,6 +104,11 @@ class Slurm:
         if self.conf is not None:
             env["SLURM_CONF"] = self.conf
         return env
+
+
+def for_settings(s: SlurmWatch) -> Slurm:
+    """How the daemon runs Slurm's commands for its ``slurm:`` settings."""
+    return Slurm(conf=s.conf, timeout=s.timeout)
 
 
 def message_line(stdout: str, stderr: str) -> str:

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainwatch.actions import tree
-from trainwatch.host.access import Peer, Refused
+from trainwatch.privsep.access import Peer, Refused
 from trainwatch.slurm.proof import Proven
 from trainwatch.state import atomic, jobdir
 
 if TYPE_CHECKING:
-    from trainwatch.host.supervisor import Supervisor
-    from trainwatch.lifecycle.job import JobRunner
+    from trainwatch.lifecycle.runner import Runner
+    from trainwatch.slurm.attach import Hosting
 
 log = logging.getLogger("trainwatch")
 
@@ -46,7 +46,7 @@ class Rank:
     start: int
 
 
-def remember(r: JobRunner, claim: dict[str, Any], proven: Proven) -> None:
+def remember(r: Runner, claim: dict[str, Any], proven: Proven) -> None:
     """Keep a joined rank for the next daemon (only its run's: a requeue's ranks
     replace the run before)."""
     path = r.dir / FILE
@@ -109,7 +109,7 @@ class Readopt:
             log.info("%d attached rank(s) of %d Slurm job(s) to take back", len(self.todo),
                      len({x.job for x in self.todo}))
 
-    def tick(self, sup: Supervisor) -> None:
+    def tick(self, sup: Hosting) -> None:
         from trainwatch.slurm import attach
 
         if not self.todo:

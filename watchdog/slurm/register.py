@@ -43,7 +43,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from trainwatch.actions import tree
-from trainwatch.host.access import Peer, Refused
+from trainwatch.privsep.access import Peer, Refused
 from trainwatch.slurm import actions, proof
 from trainwatch.slurm.command import Outcome, Result, Slurm
 from trainwatch.slurm.proof import Claim, Proven

@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING
 
 from trainwatch.actions import background
 from trainwatch.actions import stop as stopping
-from trainwatch.config import slurmwatch
 from trainwatch.evidence.capture import Capture
 from trainwatch.multihost import records
-from trainwatch.slurm import actions, node
+from trainwatch.slurm import actions, command, node
 from trainwatch.slurm.command import Outcome, Result
 from trainwatch.slurm.stepattempt import StepAttempt
 from trainwatch.types import Fault, JobState
@@ -81,7 +80,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str,
         why = f"{fault.kind.value}: {reason}; no slurm: settings: not requeued"
     else:
         decide(r, run + 1, fault)
-        slurm = slurmwatch.command(settings)
+        slurm = command.for_settings(settings)
         asked = Asked(n)
         a.requeue = asked
         a.tasks.await_end(r.policy.kill_grace + AWAIT)  # the stop waits for Slurm
