@@ -20,6 +20,7 @@ from test_gpu_e2e import XID79_GPU1
 from test_torchrun import DDP
 
 if TYPE_CHECKING:
+    from trainwatch.actions.attempt import Attempt
     from trainwatch.lifecycle.job import JobRunner
 
 
@@ -231,6 +232,68 @@ def test_a_hang_in_a_round_where_a_rank_exited_is_held_for_that_exits_crash(
         r.group.exits_seen = 1  # judged (check(): its crash, or an exit 0 at the run's end)
         assert not group.held(r, hang, now)
     finally:
+        r.intake.close()
+
+
+# A torchrun agent as far as a round's end goes: a worker (RANK 0) at once; once the
+# file named by argv[1] exists, the next round's worker; each pid printed as it starts.
+_AGENT = ("import os, subprocess, sys, time\n"
+          "env = {**os.environ, 'RANK': '0'}\n"
+          "def worker():\n"
+          "    w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'],\n"
+          "                         env=env)\n"
+          "    print(w.pid, flush=True)\n"
+          "worker()\n"
+          "while not os.path.exists(sys.argv[1]):\n"
+          "    time.sleep(0.01)\n"
+          "worker()\n"
+          "time.sleep(120)\n")
+
+
+def _pids(a: Attempt) -> list[int]:
+    """The workers' pids the agent printed, in its log."""
+    log = Path(a.log_path)
+    return [int(x) for x in log.read_text().split()] if log.exists() else []
+
+
+def test_a_join_admitted_late_ends_only_the_workers_of_before_the_join(ws: Workspace) -> None:
+    """A peer's join is recorded; the agent ends this host's worker and starts the new
+    round's at once; a loaded loop sees the end 3 s later (a whole-suite run under load)
+    and takes it as the admission. The new round's worker, started after the join, is
+    not the old round's to end: killing it crashed the newcomer's rank with it, a third
+    group restart charged to the budget. The old round's worker is ended."""
+    import signal
+    import time
+
+    from trainwatch.actions.attempt import Attempt
+    from trainwatch.actions.launch import begin_attempt
+    from trainwatch.multihost import leave, records
+    from trainwatch.multihost.leave import Joining
+    from trainwatch.sources.procstat import proc_stat
+
+    r = _runner(ws, 0.0)
+    r.clock = time.monotonic  # type: ignore[misc]
+    go = ws.root / "next-round"
+    agent = dataclasses.replace(r.job, command=(sys.executable, "-c", _AGENT, str(go)))
+    a = Attempt(agent, 0, r.socket_path, None, None, r.dir / "logs", passthrough=False)
+    try:
+        begin_attempt(r, a, None, "start")
+        assert r.group is not None
+        old = wait_for(lambda: [*_pids(a), 0][0], what="the old round's worker")
+        joined = time.time() + 0.2  # the peer's join, recorded after the old worker began
+        wait_for(lambda: time.time() > joined + 0.1, what="the join to be past")
+        go.touch()  # the agent ends nothing here (the test does below); it starts the new
+        new = wait_for(lambda: [*_pids(a), 0, 0][1], what="the new round's worker")
+        rec = records.Restart(2, "hB", 20, None, None, "gpu_xid", "hB", None, joined,
+                              charged=False, joins="hB")
+        r.group.joining = Joining(rec, None, r.clock() + 60.0)
+        assert leave.admitted(r, a, r.clock(), ended=time.time())  # the end, seen late
+        wait_for(lambda: (proc_stat(old) or ("Z",))[0] in ("Z", "X"),
+                 what="the old round's worker ended")
+        assert (proc_stat(new) or ("Z",))[0] not in ("Z", "X"), "the new round's worker ended"
+    finally:
+        a.tree.signal(signal.SIGKILL, a.tree.scan())
+        a.close()
         r.intake.close()
 
 

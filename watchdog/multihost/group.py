@@ -146,7 +146,8 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
     if failed and len(judged) == len(new) and _leader_alive(a):
         from trainwatch.multihost import leave  # it calls rounds.new_round(): at run time
 
-        if leave.admitted(r, a, now):  # torchrun restarts them for a joining host
+        ended = time.time() - (now - min(e.at for e in failed))
+        if leave.admitted(r, a, now, ended):  # torchrun restarts them for a joiner
             return False
         first = r.first_failure.exits.first_failure() or failed[0]
         ev: dict[str, object] = {"rank_exit": first.evidence()}

@@ -305,17 +305,22 @@ def follow_join(r: Runner, rec: records.Restart, now: float) -> None:
                 "scratch" if rec.resume_path is None else f"step {rec.resume_step}")
 
 
-def admitted(r: Runner, a: Attempt, now: float) -> bool:
-    """This host's workers ended while a peer's join is due: its agent restarts
-    them to admit the newcomer (torchrun's membership change), a new round, not a
-    crash. True when so."""
+def admitted(r: Runner, a: Attempt, now: float, ended: float) -> bool:
+    """This host's workers ended (seen at ``ended``, wall time) while a peer's join
+    is due: its agent restarts them to admit the newcomer (torchrun's membership
+    change), a new round, not a crash. True when so. The round's workers are those
+    started before the join was recorded, or before the end was seen: the agent's
+    new round may already run when a loaded loop gets here (3 s late, once), and
+    its workers, taken for old ones, were killed: the newcomer's rank crashed with
+    them, a third group restart charged to the budget."""
     g = r.group
     if g is None or g.joining is None:
         return False
     j, g.joining = g.joining, None
     if now >= j.until or r.observing:
         return False
+    began = j.rec.began_at
     rounds.new_round(r, a, j.rec, j.incident,
                     f"group restart {j.rec.gen}: {j.rec.joins} admitted, a new round",
-                    time.time())
+                    min(ended, began) if began is not None else ended)
     return True
