@@ -152,7 +152,7 @@ def test_a_round_waiting_for_its_evidence_is_looked_at_again_within_a_twentieth_
     then killed, and only then does the agent restart them: the loop must look again
     soon, not at the job's next whole second (up to 1 s more of every hang's recovery)."""
     from trainwatch.evidence.capture import Capture
-    from trainwatch.multihost import rounds
+    from trainwatch.multihost.state import Pending
     from trainwatch.types import JobState
 
     now = 100.5
@@ -161,7 +161,7 @@ def test_a_round_waiting_for_its_evidence_is_looked_at_again_within_a_twentieth_
         r.state = JobState.RUNNING
         assert r.group is not None and r.next_wake(now) == 101.0  # the job's own grid
         cap = Capture(ws.root / "ev", [], None, timeout=5.0)
-        r.group.pending = rounds.Pending(cap, None, 1, "hang", now, now + 5.0, peers=False)
+        r.group.pending = Pending(cap, None, 1, "hang", now, now + 5.0, peers=False)
         assert r.next_wake(now) == pytest.approx(now + 0.05)  # while the capture runs
         cap.start()
         assert cap.wait(30)
@@ -268,7 +268,7 @@ def test_a_join_admitted_late_ends_only_the_workers_of_before_the_join(ws: Works
     from trainwatch.actions.attempt import Attempt
     from trainwatch.actions.launch import begin_attempt
     from trainwatch.multihost import leave, records
-    from trainwatch.multihost.leave import Joining
+    from trainwatch.multihost.state import Joining
     from trainwatch.sources.procstat import proc_stat
 
     r = _runner(ws, 0.0)

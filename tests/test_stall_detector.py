@@ -211,7 +211,7 @@ def test_one_idle_moment_of_a_silent_busy_job_is_not_a_stall() -> None:
 def test_the_quiet_stretch_begins_at_the_sample_its_rates_start_from() -> None:
     """StallWatch: the stretch is broken by any busy sample, begins at the sample before
     the first quiet one (its rates run from there), and is forgotten when the job speaks."""
-    from trainwatch.watch.stallwatch import StallWatch
+    from trainwatch.watch.state import StallWatch
 
     w = StallWatch(StallSettings(silence=4.0))
     busy, idle = procs((0, "R", 0.19), (1, "R", 0.2)), procs((0, "D", 0.01), (1, "S", 0.0))

@@ -17,7 +17,7 @@ from trainwatch.sources.ranks import Ranks
 from trainwatch.state.catalog import Entry
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import TERMINAL, JobState
-from trainwatch.watch import anomalies, logwatch
+from trainwatch.watch.state import LossFeed, follow_log
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
@@ -131,8 +131,8 @@ def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
     r.intake.new_attempt(a.ring_dir)
     r.first_failure.new_attempt(a.started)
     rollback.sealed(r, r.pending_incident, r.catalog.seal_quarantine())
-    r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
-    logwatch.follow(r, a, from_end=False)
+    r.anomalies = LossFeed(r.job.anomalies.detect)
+    r.logwatch = follow_log(r.logwatch, str(a.log_path), r.job.logs, from_end=False)
     r.stall.new_attempt(r.job.stall)
     r.hang_latched = False
     r.drill = None  # a notice for the attempt before is not this one's

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainwatch.actions import evidence, ringfolder, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.evidence.capture import Capture
+from trainwatch.lifecycle.runner import Stop
 from trainwatch.types import JobState
 from trainwatch.watch import firstfailure
 
@@ -19,19 +19,6 @@ if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
 
 log = logging.getLogger("trainwatch")
-
-
-@dataclass
-class Stop:
-    outcome: JobState  # the state once the tree is gone
-    reason: str
-    deadline: float  # SIGKILL from then
-    delay: float = 0.0  # before a relaunch, when outcome is BACKOFF
-    killed: bool = False
-    # The evidence taken before the kill, and the incident it belongs to: the
-    # SIGTERM waits for it (at most its timeout).
-    capture: Capture | None = None
-    incident: int = -1
 
 
 def request(r: Runner, reason: str) -> None:

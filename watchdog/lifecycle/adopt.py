@@ -25,7 +25,8 @@ from trainwatch.lifecycle.policy import RestartHistory
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime
 from trainwatch.types import JobState
-from trainwatch.watch import exits, logwatch
+from trainwatch.watch import exits
+from trainwatch.watch.state import follow_log
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
@@ -136,7 +137,7 @@ def _adopt_attempt(r: Runner, rt: runtime.Runtime) -> bool:
     # One that ended unwatched: its rings still hold the steps it reached (its
     # last_step saved here is from the last state change, often step 1).
     r.intake.new_attempt(a.ring_dir, ended=a.poll_exit() is not None)
-    logwatch.follow(r, a, from_end=True)
+    r.logwatch = follow_log(r.logwatch, str(a.log_path), r.job.logs, from_end=True)
     if a.pidfd is not None:
         r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
     return True

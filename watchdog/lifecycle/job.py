@@ -39,6 +39,7 @@ from trainwatch.lifecycle import adopt, saved
 from trainwatch.lifecycle.drill import DrillNotice
 from trainwatch.lifecycle.engines import engine_for
 from trainwatch.lifecycle.policy import RestartHistory, XidHistory
+from trainwatch.lifecycle.runner import Stop
 from trainwatch.multihost import group
 from trainwatch.privsep import credentials, jobhands
 from trainwatch.sources.ranks import Ranks
@@ -47,11 +48,9 @@ from trainwatch.state.catalog import Catalog, Summary
 from trainwatch.state.ledger import Ledger
 from trainwatch.types import TRANSITIONS, Beat, JobState, ProcessExit
 from trainwatch.watch import anomalies, exits, live, reports, stallwatch
-from trainwatch.watch.anomalies import LossFeed
-from trainwatch.watch.firstfailure import FirstFailure
 from trainwatch.watch.gpuwatch import GpuWatch
 from trainwatch.watch.intake import RING_POLL, Intake
-from trainwatch.watch.logwatch import LogWatch
+from trainwatch.watch.state import FirstFailure, LogWatch, LossFeed, Refusals, StallWatch
 
 log = logging.getLogger("trainwatch")
 
@@ -124,7 +123,7 @@ class JobRunner:
         self.ever_beaten = False
         self.last_step: int | None = None  # the step this attempt has reached
         self.hang_latched = False  # a hang already reported and not acted on
-        self.stopping: stopping.Stop | None = None
+        self.stopping: Stop | None = None
         self.relaunch_at = 0.0
         self.pending_incident: int | None = None
         self.last_incident = 0  # the newest incident that stopped an attempt, by id
@@ -133,12 +132,12 @@ class JobRunner:
         self.skip: tuple[int, int, int] | None = None
         self.anomalies = LossFeed(job.anomalies.detect)
         self.logwatch: LogWatch | None = None
-        self.stall = stallwatch.StallWatch(job.stall)
+        self.stall = StallWatch(job.stall)
         self.paused = False  # the operator: keep watching, stop acting
         self.restarts = 0  # relaunches, every attempt after the first
         self.drill: DrillNotice | None = None
         self.exit_handled = -1  # the attempt whose leader's exit has been acted on
-        self.refused = reports.Refusals()  # checkpoint reports the catalog refused
+        self.refused = Refusals()  # checkpoint reports the catalog refused
         self.over_cap_before = 0  # beats of ranks beyond the cap, in earlier attempts
         self.output_dropped_before = 0  # bytes of output lost by earlier attempts
         self.published_step: int | None = None

@@ -17,33 +17,53 @@ from __future__ import annotations
 import random
 import selectors
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from trainwatch.types import JobState
+
 if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
-    from trainwatch.actions.stop import Stop
     from trainwatch.config import Config, Job, Policy
     from trainwatch.detectors import JobView
+    from trainwatch.evidence.capture import Capture
     from trainwatch.export.events import Events
     from trainwatch.export.goodput import Goodput
     from trainwatch.lifecycle.drill import DrillNotice
     from trainwatch.lifecycle.engine import Engine
     from trainwatch.lifecycle.policy import RestartHistory, XidHistory
-    from trainwatch.multihost.group import Group
+    from trainwatch.multihost.state import Group
     from trainwatch.privsep.jobhands import JobHands
     from trainwatch.sources.heartbeat import HeartbeatSocket
     from trainwatch.sources.ranks import Ranks
     from trainwatch.state.catalog import Catalog, Summary
     from trainwatch.state.ledger import Ledger
-    from trainwatch.types import JobState, ProcessExit
-    from trainwatch.watch.anomalies import LossFeed
-    from trainwatch.watch.firstfailure import FirstFailure
+    from trainwatch.types import ProcessExit
     from trainwatch.watch.gpuwatch import GpuWatch
     from trainwatch.watch.intake import Intake
-    from trainwatch.watch.logwatch import LogWatch
-    from trainwatch.watch.reports import Refusals
-    from trainwatch.watch.stallwatch import StallWatch
+    from trainwatch.watch.state import (
+        FirstFailure,
+        LogWatch,
+        LossFeed,
+        Refusals,
+        StallWatch,
+    )
+
+
+@dataclass
+class Stop:
+    """A stop under way (actions/stop.py): what the job becomes once its tree is gone."""
+
+    outcome: JobState  # the state once the tree is gone
+    reason: str
+    deadline: float  # SIGKILL from then
+    delay: float = 0.0  # before a relaunch, when outcome is BACKOFF
+    killed: bool = False
+    # The evidence taken before the kill, and the incident it belongs to: the
+    # SIGTERM waits for it (at most its timeout).
+    capture: Capture | None = None
+    incident: int = -1
 
 
 class JobParts(Protocol):

@@ -29,32 +29,18 @@ from typing import TYPE_CHECKING
 
 from trainwatch.actions import verify
 from trainwatch.multihost import records
+from trainwatch.multihost.state import Waiting
 from trainwatch.privsep.hand import HandError
 
 if TYPE_CHECKING:
-    from trainwatch.evidence.capture import Capture
     from trainwatch.lifecycle.runner import Runner
-    from trainwatch.multihost.group import Group
+    from trainwatch.multihost.state import Group
     from trainwatch.types import Fault
 
 log = logging.getLogger("trainwatch")
 
 RETRY = 1.0  # seconds between two tries while the hand does not answer
 _VERIFY_WITHIN = 0.25  # seconds the loop waits on a checkpoint's check before deciding
-
-
-@dataclass
-class Waiting:
-    """A restart this host acted on, not decided yet: its hand does not answer."""
-
-    fault: Fault
-    incident: int | None
-    reason: str
-    charged: bool
-    capture: Capture | None
-    since: float  # the loop's clock
-    retry_at: float
-    why: str
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from trainwatch.types import Action, Fault, FaultKind, JobState
 if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
     from trainwatch.lifecycle.runner import Runner
-    from trainwatch.multihost.group import Group
+    from trainwatch.multihost.state import Group
 
 log = logging.getLogger("trainwatch")
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainwatch.actions.tree import stopped_ranks
 from trainwatch.multihost import decision, records, rounds, stackshare, victim
+from trainwatch.multihost.state import Group, Waiting
 from trainwatch.types import Fault, FaultKind
 
 if TYPE_CHECKING:
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from trainwatch.config import Config, Job
     from trainwatch.evidence.capture import Capture
     from trainwatch.lifecycle.runner import Runner
-    from trainwatch.multihost.leave import Joining, Out
     from trainwatch.sources.rankexits import RankExit
 
 log = logging.getLogger("trainwatch")
@@ -45,30 +44,6 @@ ABSORB = 2  # failures before the first beat after a restart taken as part of it
 # Restarts another host made first whose checkpoint this host does not take, in a
 # row, before it goes on without a record of its own (decision.unbelieved).
 _OTHERS_MAX = 3
-
-
-@dataclass
-class Group:
-    root: str  # the checkpoint folder every host sees
-    host: str
-    base: int | None = None  # the newest restart when this daemon first looked
-    gen: int = 0  # the newest restart this host took part in
-    poll_at: float = 0.0
-    # The rank processes of the rounds before: their exits are the restart's, not new faults.
-    before: set[int] = field(default_factory=set)
-    exits_seen: int = 0
-    held_since: float | None = None  # a hang held for the host that has its cause
-    absorbed: int = 0  # failures taken as part of the last restart (before a beat)
-    log_from: int = 0  # where this round's output begins in the attempt's log
-    pending: rounds.Pending | None = None  # our workers, kept for the fault's evidence
-    skip: tuple[int, int] | None = None  # the skip window of the last restart taken part in
-    widenings: int = 0  # peers' restarts in a row that widened it (decision.followed_charged)
-    waiting: decision.Waiting | None = None  # a restart waiting for the job's hand
-    settle: tuple[int, int, str | None, float] | None = None  # restart, incident, began, when
-    out: Out | None = None  # this host left the group: its pre-flight (leave.py)
-    joining: Joining | None = None  # a peer's join, followed: its admission is due
-    rounds: int = 0  # the rounds this attempt's agent has begun since its launch
-    resumed: int | None = None  # the step the newest round resumed from (None: scratch)
 
 
 def for_job(config: Config, job: Job) -> Group | None:
@@ -233,7 +208,7 @@ def held(r: Runner, fault: Fault, now: float) -> bool:
 
 def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: bool,
         capture: Capture | None = None, keep_agent: bool = True,
-        waiting: decision.Waiting | None = None) -> bool:
+        waiting: Waiting | None = None) -> bool:
     """This host acts on ``fault`` (a restart or rollback, decided; ``charged``:
     it spent one of the budget): the group restarts. True when done here (the
     agent lives: its workers end and it restarts them); False when the agent is
@@ -260,7 +235,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
     if isinstance(made, str):
         if kept:  # else the relaunch waits for its checkpoints itself (actions/launch.py)
             now = r.clock()
-            decision.wait(r, g, decision.Waiting(
+            decision.wait(r, g, Waiting(
                 fault, incident, reason, charged, capture,
                 waiting.since if waiting is not None else now, now + decision.RETRY, made),
                 waiting is not None)

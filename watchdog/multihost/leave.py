@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainwatch.multihost import group, preflight, records, rounds
+from trainwatch.multihost.state import Joining, Out
 from trainwatch.privsep import credentials
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
@@ -44,28 +44,6 @@ _RUNNING_POLL = 0.2  # seconds between two looks at a pre-flight still running
 # After a peer's join restart, its agent arrives within this long: the exits of
 # this host's workers meanwhile are torchrun restarting them for it.
 JOIN_WINDOW = 60.0
-
-
-@dataclass
-class Out:
-    """This host, out of its group until a pre-flight passes."""
-
-    kind: str  # the fault that made it leave
-    gpus: tuple[int, ...]  # the GPUs it would use: the ones the pre-flight checks
-    check: preflight.Check
-    waiting: str  # its BACKOFF reason
-    said: str = ""  # the last result logged (logged again only when it changes)
-    thread: threading.Thread | None = None
-    box: list[preflight.Result] = field(default_factory=list)
-
-
-@dataclass
-class Joining:
-    """A peer's join, followed here: its agent is about to be admitted."""
-
-    rec: records.Restart
-    incident: int | None
-    until: float  # monotonic
 
 
 def _nodes(r: Runner, host: str) -> str:

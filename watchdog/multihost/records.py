@@ -37,13 +37,23 @@ import re
 import stat
 import tempfile
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 # Stdlib only at import: every rank of a group job imports this module as it starts
 # (client.resume_from), while the new round waits for it; the hands' module pulls in
 # the config and YAML (~0.14 s of a rank's start), and only the daemon needs it (call).
 if TYPE_CHECKING:
-    from trainwatch.lifecycle.runner import Runner
+    from trainwatch.config import Job
+    from trainwatch.privsep.jobhands import JobHands
+
+
+class Holder(Protocol):
+    """What ``call`` needs of a job (its runner): its entry and its hands."""
+
+    @property
+    def job(self) -> Job: ...
+    @property
+    def hands(self) -> JobHands: ...
 
 log = logging.getLogger("trainwatch")
 
@@ -234,7 +244,7 @@ def decision_after(base: str, after: int) -> dict[str, Any] | None:
     return _read(os.path.join(base, f"restart-{gen:08d}", "decision.json"))
 
 
-def call(r: Runner, fn: Any, *args: Any) -> Any:
+def call(r: Holder, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` in the job's quick hand, as its user; None (said) when it fails."""
     from trainwatch.privsep.hand import HandError  # the daemon's side only: see above
 
@@ -245,7 +255,7 @@ def call(r: Runner, fn: Any, *args: Any) -> Any:
         return None
 
 
-def answered(r: Runner, fn: Any, *args: Any) -> Any:
+def answered(r: Holder, fn: Any, *args: Any) -> Any:
     """As ``call``, but a hand that did not answer (down, timed out, aborted) raises:
     the caller waits for it (decision.py). One that answered a failure is said: None."""
     from trainwatch.privsep.hand import HandAborted, HandDown, HandError, HandTimeout
@@ -259,7 +269,7 @@ def answered(r: Runner, fn: Any, *args: Any) -> Any:
         return None
 
 
-def _said(r: Runner, e: Exception) -> None:
+def _said(r: Holder, e: Exception) -> None:
     log.error("job %s: the group's records in %s: %s", r.job.name,
               folder(r.job.checkpoints.dir or "?"), e)
 

@@ -11,16 +11,17 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from trainwatch.actions import rollback
 from trainwatch.actions.tree import start_time
 from trainwatch.multihost import records, stackshare
+from trainwatch.multihost.state import Pending
 from trainwatch.sources.rankexits import rank_processes
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import JobState
+from trainwatch.watch.state import LossFeed
 
 _LOOK_EVERY = 0.25  # seconds between two looks for the other hosts' stacks
 # While the evidence is taken, look this often whether it is done: the workers are
@@ -31,23 +32,7 @@ if TYPE_CHECKING:
     from trainwatch.actions.attempt import Attempt
     from trainwatch.evidence.capture import Capture
     from trainwatch.lifecycle.runner import Runner
-    from trainwatch.multihost.group import Group
-
-
-@dataclass
-class Pending:
-    """This host's workers, kept until the evidence of the fault is taken, and
-    (by this host: it acted) until the other hosts' stacks are in too."""
-
-    capture: Capture
-    rec: records.Restart | None
-    incident: int | None
-    reason: str
-    onset: float
-    deadline: float  # for this host's capture
-    peers: bool  # this host acted on the fault: the others' stacks are waited for
-    shared: bool = False
-    look_at: float = 0.0
+    from trainwatch.multihost.state import Group
 
 
 def evidence_then_round(r: Runner, g: Group, a: Attempt, capture: Capture | None,
@@ -154,9 +139,7 @@ def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int 
     g.exits_seen = 0
     with contextlib.suppress(OSError):
         g.log_from = os.stat(a.log_path).st_size  # this round's output begins here
-    from trainwatch.watch import anomalies
-
-    r.anomalies = anomalies.LossFeed(r.job.anomalies.detect)
+    r.anomalies = LossFeed(r.job.anomalies.detect)
     r.stall.new_attempt(r.job.stall)
     r.hang_latched = False
     rollback.sealed(r, incident, r.catalog.seal_quarantine())

@@ -12,73 +12,14 @@ loss), while a non-finite value from any rank is a ``nan_loss`` at once.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from trainwatch.detectors.loss import Anomaly, LossSettings, LossWatch
-from trainwatch.evidence import series
 from trainwatch.lifecycle import respond
 from trainwatch.types import Action, Beat, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
-
-
-def _finite(x: float | None) -> bool:
-    return x is None or math.isfinite(x)
-
-
-class LossFeed:
-    """The detectors' state for one attempt, and which rank feeds them."""
-
-    def __init__(self, settings: LossSettings) -> None:
-        self.settings = settings
-        self.watch = LossWatch(settings)
-        self.lead: int | None = None
-        self.last: tuple[float | None, float | None] = (None, None)  # the lead's values
-        # The lead's recent values, for an incident's series (evidence/series.py).
-        self.series: deque[series.Point] = deque(maxlen=series.KEPT)
-        self._in_nan: set[int] = set()  # other ranks inside a run of non-finite values
-
-    def observe(self, beats: Sequence[Beat]) -> list[tuple[Anomaly, Beat]]:
-        found: list[tuple[Anomaly, Beat]] = []
-        for b in beats:
-            loss, grad = b.loss, b.grad_norm
-            if loss is None and grad is None:
-                continue
-            if self.lead is None:
-                self.lead = b.rank
-            if b.rank == self.lead:
-                self.last = (loss, grad)
-                self.series.append((b.step, loss, grad))
-                found += [(an, b) for an in self.watch.observe(b.step, loss, grad)]
-            elif (loss is None or loss - loss == 0) and (grad is None or grad - grad == 0):
-                # Both finite or not given (_finite, inline: x - x is NaN for NaN and inf).
-                if self._in_nan:
-                    self._in_nan.discard(b.rank)
-            elif self.settings.nan_loss and b.rank not in self._in_nan:
-                self._in_nan.add(b.rank)  # one nan_loss per run of them, as for the lead
-                bad = b.loss if not _finite(b.loss) else b.grad_norm
-                assert bad is not None
-                what = "loss" if not _finite(b.loss) else "grad_norm"
-                found.append((Anomaly("nan_loss", "act", b.step, b.step, bad,
-                                      {"series": what, "rank": b.rank}), b))
-        return found
-
-
-    def health(self) -> dict[str, float | int | None]:
-        """The lead's last values and the detectors' statistics (for the catalog);
-        ``loss_z``: the last loss's distance from the recent median, in its noise."""
-        h = self.watch.health()
-        loss, grad = self.last
-        med, noise = h.get("loss_median"), h.get("loss_noise")
-        z = None
-        if loss is not None and loss > 0 and math.isfinite(loss) and med and noise:
-            z = (math.log(loss) - math.log(med)) / noise
-        return {"loss": loss if loss is None or math.isfinite(loss) else None,
-                "grad_norm": grad if grad is None or math.isfinite(grad) else None,
-                "loss_z": z, **h}
 
 
 def check(r: Runner, beats: Sequence[Beat], drill: bool = False) -> list[str]:

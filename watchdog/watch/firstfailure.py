@@ -25,59 +25,28 @@ from typing import TYPE_CHECKING
 
 from trainwatch.detectors.torchrun import root_cause
 from trainwatch.evidence.logtail import read_tail
-from trainwatch.sources.rankexits import RankExit, RankExits, rank_processes
+from trainwatch.sources.rankexits import RankExit, rank_processes
 from trainwatch.types import Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
-    import selectors
-    from collections.abc import Callable
     from pathlib import Path
 
     from trainwatch.actions.attempt import Attempt
     from trainwatch.lifecycle.runner import Runner
 
-_FIRST_SCAN = 1.0
-_MAX_SCAN = 30.0
-_EAGER_FOR = 60.0  # seconds into an attempt that ranks are looked for every second
 _TAIL_BYTES = 64 * 1024  # torchrun's summary is the last thing it prints
 _KINDS = (FaultKind.CRASH, FaultKind.OOM)
 
 
-class FirstFailure:
-    """One job's: the current attempt's rank exits and when to look for ranks next."""
-
-    def __init__(self, sel: selectors.BaseSelector, clock: Callable[[], float],
-                 max_ranks: int) -> None:
-        self.exits = RankExits(sel, clock, max_watched=max_ranks)
-        self.scan_at = self.eager_until = 0.0
-        self.scan_every = _FIRST_SCAN
-        self.pending = False  # torchrun's summary not read yet for the incident
-
-    def new_attempt(self, started: float) -> None:
-        self.exits.close()
-        self.scan_every, self.scan_at, self.pending = _FIRST_SCAN, started + _FIRST_SCAN, False
-        self.eager_until = started + _EAGER_FOR
-
-    def next_scan(self) -> float | None:
-        """The next look, while it must not wait for the loop's grid: every second in
-        the attempt's first minute until a rank is found."""
-        if self.exits.watched or self.scan_at >= self.eager_until:
-            return None
-        return self.scan_at
-
-    def tick(self, r: Runner, now: float) -> None:
-        """Watch the attempt's rank processes found since the last tick."""
-        a = r.attempt
-        if a is None or a.closed or r.state not in (JobState.STARTING, JobState.RUNNING):
-            return
-        pids: set[int] = set()
-        if now >= self.scan_at:
-            self.scan_at = now + self.scan_every
-            if self.exits.watched or now >= self.eager_until:
-                self.scan_every = min(_MAX_SCAN, 2 * self.scan_every)
-            pids = a.tree.scan()
-        for pid, rank in rank_processes(pids, r.stall.sampler.rank_of, r.ranks.pids()).items():
-            self.exits.watch(rank, pid)
+def tick(r: Runner, now: float) -> None:
+    """Watch the attempt's rank processes found since the last tick."""
+    a = r.attempt
+    if a is None or a.closed or r.state not in (JobState.STARTING, JobState.RUNNING):
+        return
+    ff = r.first_failure
+    pids = a.tree.scan() if ff.scan_due(now) else set()
+    for pid, rank in rank_processes(pids, r.stall.sampler.rank_of, r.ranks.pids()).items():
+        ff.exits.watch(rank, pid)
 
 
 def _torchrun(log: Path) -> dict[str, object] | None:

@@ -13,7 +13,7 @@ from trainwatch.actions.tree import stopped_ranks
 from trainwatch.detectors import run as run_detectors
 from trainwatch.lifecycle import respond
 from trainwatch.types import JobState
-from trainwatch.watch import logwatch, stallwatch
+from trainwatch.watch import firstfailure, logwatch, stallwatch
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
@@ -30,7 +30,7 @@ def check(r: Runner, a: Attempt, now: float) -> None:
     if r.state is JobState.STARTING and not r.ranks.beaten \
             and now - r.ranks.started >= RUNNING_WITHOUT_BEATS:
         r.to(JobState.RUNNING, f"up {RUNNING_WITHOUT_BEATS:g}s without heartbeats")
-    r.first_failure.tick(r, now)  # the rank processes, watched
+    firstfailure.tick(r, now)  # the rank processes, watched
     # A multi-host job: a rank's own end, a peer's restart, evidence before a restart.
     if r.engine.check(r, a, now) or r.state not in _LIVE:
         return

@@ -8,7 +8,6 @@ mistyped ``checkpoints.dir`` refuses every report."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from trainwatch.types import CheckpointReport, JobState
@@ -26,21 +25,6 @@ _WHY = {
     "missing": "nothing there, looked for as the job's user",
     "too_many": "more reports than a job makes: the folder's listing finds its checkpoints",
 }
-
-
-@dataclass
-class Refusals:
-    """A job's refused reports, every attempt."""
-
-    count: int = 0
-    by_reason: dict[str, int] = field(default_factory=dict)
-    last: tuple[int, str] | None = None  # the newest refused (step, path)
-
-    def said(self) -> str:
-        """``3 refused (outside_dir: 3), the newest step 6: /x/step_6.pt``."""
-        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.by_reason.items()))
-        newest = f", the newest step {self.last[0]}: {self.last[1]:.200}" if self.last else ""
-        return f"{self.count} refused ({reasons}){newest}"
 
 
 def refused(r: JobParts, obs: CheckpointReport) -> None:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections import deque
 from typing import TYPE_CHECKING
 
 from trainwatch.detectors import stall
-from trainwatch.detectors.stall import Proc, SilentView, StallSettings, StallView
+from trainwatch.detectors.stall import SilentView, StallView
 from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.policy import choose
-from trainwatch.sources.procs import Sampler
 from trainwatch.types import Action, Fault, FaultKind, JobState
 
 if TYPE_CHECKING:
@@ -25,42 +23,6 @@ if TYPE_CHECKING:
 
 _SAMPLE_AFTER = 1.0  # no rank advanced this long: sample the processes (for CPU rates)
 _MIN_SAMPLES = 20  # step intervals before the stall timeout is learned
-
-
-class StallWatch:
-    def __init__(self, settings: StallSettings) -> None:
-        self.settings = settings
-        self.sampler = Sampler()
-        self.gpu_faults: deque[Fault] = deque(maxlen=8)
-        self.sampled = False  # the processes were sampled at the last tick
-        # Without the client: since when every process was idle or stopped at each
-        # sample (None: one was busy, or the output spoke), and the last sample.
-        self.quiet_since: float | None = None
-        self.sampled_at: float | None = None
-
-    def new_attempt(self, settings: StallSettings) -> None:
-        self.settings, self.sampler, self.sampled = settings, Sampler(), False
-        self.gpu_faults.clear()
-        self.loud()
-
-    def loud(self) -> None:
-        """The job spoke (or a new attempt began): no quiet stretch yet."""
-        self.quiet_since = self.sampled_at = None
-
-    def quiet_for(self, now: float, procs: dict[int, Proc]) -> float:
-        """Seconds every process has been idle or stopped, as of this sample. A
-        stretch begins where the rates that show it begin: at the sample before."""
-        q = stall.quiet(procs, self.settings.idle_cpu)
-        if q is False:
-            self.quiet_since = None
-        elif self.quiet_since is None:  # quiet, or not known yet: not broken
-            self.quiet_since = self.sampled_at if q and self.sampled_at is not None else now
-        self.sampled_at = now
-        return 0.0 if self.quiet_since is None else now - self.quiet_since
-
-    def gpu_fault(self, fault: Fault) -> None:
-        """A fault of one of the job's GPUs: it wins over a stall in its window."""
-        self.gpu_faults.append(fault)
 
 
 def _view(r: Runner, now: float, sample: bool) -> StallView:
