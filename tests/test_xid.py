@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from trainwatch.detectors import xid as xidmod
+from trainwatch.detectors import xidcatalog as xidmod
 from trainwatch.detectors.xid import CATALOG, CLASS_ACTIONS, RECOVERY_ACTIONS, Immediate, classify
 from trainwatch.types import Action
 

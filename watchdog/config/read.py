@@ -36,7 +36,7 @@ from trainwatch.config.schema import (
     check_socket_paths,
     default_dirs,
 )
-from trainwatch.detectors.xid import Immediate
+from trainwatch.detectors.xidcatalog import Immediate
 from trainwatch.types import DETECTED_KINDS, Action, FaultKind
 
 MAX_SIM_GPUS = 1024
