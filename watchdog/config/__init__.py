@@ -11,14 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from trainwatch.config import yamldoc
+from trainwatch.config.command import MAX_ARG_BYTES, MAX_EXEC_BYTES, check_command
 from trainwatch.config.fields import MAX_DURATION, Said, parse_duration, show
-from trainwatch.config.read import (
-    MAX_ARG_BYTES,
-    MAX_EXEC_BYTES,
-    MAX_SIM_GPUS,
-    check_command,
-    from_mapping,
-)
+from trainwatch.config.read import MAX_SIM_GPUS, from_mapping
 from trainwatch.config.reader import Reader
 from trainwatch.config.schema import (
     DEFAULT_ACTIONS,
