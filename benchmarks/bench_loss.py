@@ -44,7 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_line
-from trainwatch.detectors.loss import Anomaly, LossSettings, LossWatch
+from trainwatch.detectors.loss import Anomaly, LossWatch
+from trainwatch.detectors.losssettings import LossSettings
 
 CURVES = Path(__file__).resolve().parent / "curves"
 TOL = 5

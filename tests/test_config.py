@@ -19,7 +19,7 @@ from trainwatch.config import (
     load,
     parse_duration,
 )
-from trainwatch.detectors.loss import LossSettings
+from trainwatch.detectors.losssettings import LossSettings
 from trainwatch.types import DETECTED_KINDS, Action, FaultKind
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "config" / "trainwatch.yaml"

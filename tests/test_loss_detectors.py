@@ -10,7 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from trainwatch.detectors.loss import Anomaly, LossSettings, LossWatch
+from trainwatch.detectors.loss import Anomaly, LossWatch
+from trainwatch.detectors.losssettings import LossSettings
 from trainwatch.types import FaultKind
 
 Obs = tuple[int, float | None, float | None]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from trainwatch.config.fields import show
 from trainwatch.detectors.logrules import LogRule
-from trainwatch.detectors.loss import LossSettings
+from trainwatch.detectors.losssettings import LossSettings
 from trainwatch.detectors.stall import StallSettings
 from trainwatch.types import Action, FaultKind
 

@@ -13,7 +13,7 @@ from trainwatch.config.fields import Said
 from trainwatch.config.reader import DUR, MISSING, OPT_DUR, STR, Reader, action
 from trainwatch.config.schema import Anomalies, Checkpoints, Evidence, Keep, Logs
 from trainwatch.detectors.logrules import LogRule, compile_rules
-from trainwatch.detectors.loss import LossSettings
+from trainwatch.detectors.losssettings import LossSettings
 from trainwatch.detectors.stall import StallSettings
 from trainwatch.types import DETECTED_KINDS, FaultKind
 

@@ -18,7 +18,8 @@ from trainwatch.actions.logfollow import LogFollower
 from trainwatch.config.schema import Logs
 from trainwatch.detectors import stall
 from trainwatch.detectors.logrules import BUILTIN, LogMatch, Matcher, compile_rules
-from trainwatch.detectors.loss import Anomaly, LossSettings, LossWatch
+from trainwatch.detectors.loss import Anomaly, LossWatch
+from trainwatch.detectors.losssettings import LossSettings
 from trainwatch.detectors.stall import Proc, StallSettings
 from trainwatch.evidence import series
 from trainwatch.sources.procs import Sampler
