@@ -213,7 +213,7 @@ def test_keep_refuses_nonsense_in_one_line(keep: dict[str, object], says: str) -
 
 def test_candidate_reads_a_catalog_entry() -> None:
     """Good, unjudged, bad and quarantined catalog entries map to the planner's view."""
-    from trainwatch.state.catalog import Entry
+    from trainwatch.state.entry import Entry
 
     assert candidate(Entry(1, "/ck/step_1", True, False, "marker x"), 7) == Candidate(
         1, "/ck/step_1", True, True, False, 7)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
-    from trainwatch.state.catalog import Entry
+    from trainwatch.state.entry import Entry
 
 log = logging.getLogger("trainwatch")
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from trainwatch.actions import attemptfiles, evidence, fresh, hook, pull, rollback, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
-from trainwatch.state.catalog import Entry
+from trainwatch.state.entry import Entry
 from trainwatch.state.ledger import Relaunch
 from trainwatch.types import TERMINAL, JobState
 from trainwatch.watch.state import LossFeed, follow_log

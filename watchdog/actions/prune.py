@@ -37,7 +37,7 @@ from trainwatch.types import JobState
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
-    from trainwatch.state.catalog import Summary
+    from trainwatch.state.entry import Summary
 
 log = logging.getLogger("trainwatch")
 

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from trainwatch.state.catalog import Entry
+from trainwatch.state.entry import Entry
 from trainwatch.state.verifier import Verdict, Verifier
 
 if TYPE_CHECKING:

@@ -44,7 +44,8 @@ from trainwatch.multihost import group
 from trainwatch.privsep import credentials, jobhands
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import jobdir, runtime, verifier
-from trainwatch.state.catalog import Catalog, Summary
+from trainwatch.state.catalog import Catalog
+from trainwatch.state.entry import Summary
 from trainwatch.state.ledger import Ledger
 from trainwatch.types import TRANSITIONS, Beat, JobState, ProcessExit
 from trainwatch.watch import anomalies, exits, live, reports, stallwatch

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from trainwatch.privsep.jobhands import JobHands
     from trainwatch.sources.heartbeat import HeartbeatSocket
     from trainwatch.sources.ranks import Ranks
-    from trainwatch.state.catalog import Catalog, Summary
+    from trainwatch.state.catalog import Catalog
+    from trainwatch.state.entry import Summary
     from trainwatch.state.ledger import Ledger
     from trainwatch.types import ProcessExit
     from trainwatch.watch.gpuwatch import GpuWatch

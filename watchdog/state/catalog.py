@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,33 +36,12 @@ from trainwatch.config import Checkpoints
 from trainwatch.privsep.hand import Hand
 from trainwatch.state import atomic, heap, statewrites
 from trainwatch.state.checkpointlayout import make_layout, recognise
+from trainwatch.state.entry import Entry, Summary
 from trainwatch.state.handdisk import HandDisk
 from trainwatch.state.ondisk import Layout, OnDisk
 from trainwatch.state.verifier import Verifier
 
 log = logging.getLogger("trainwatch")
-
-
-@dataclass(frozen=True)
-class Entry:
-    step: int
-    path: str
-    complete: bool
-    bad: bool
-    why: str  # how completeness was established, or why it is not usable
-
-    @property
-    def good(self) -> bool:
-        return self.complete and not self.bad
-
-
-@dataclass(frozen=True)
-class Summary:
-    """What the exporter shows of the catalog."""
-
-    last_good: Entry | None = None
-    last_good_mtime: float | None = None  # Unix seconds
-    counts: dict[str, int] = field(default_factory=dict)  # good / incomplete / bad
 
 
 # A job's reports are bounded: the newest this many steps are kept, a path is at

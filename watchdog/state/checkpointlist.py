@@ -26,7 +26,8 @@ from typing import Any
 from trainwatch.config import Checkpoints, ConfigError, Job
 from trainwatch.privsep.hand import Hand, HandError
 from trainwatch.state import atomic, manifest, retention
-from trainwatch.state.catalog import Catalog, Entry
+from trainwatch.state.catalog import Catalog
+from trainwatch.state.entry import Entry
 
 LIMIT = 200  # the newest this many: a daemon's reply must fit one datagram
 

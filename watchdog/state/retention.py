@@ -88,7 +88,7 @@ class Plan:
 
 
 class Entry(Protocol):
-    """What ``candidate()`` reads of a ``catalog.Entry`` (not imported: the
+    """What ``candidate()`` reads of an ``entry.Entry`` (not imported: the
     catalog calls this module, and the planner stays a leaf)."""
 
     @property
