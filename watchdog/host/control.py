@@ -21,7 +21,7 @@ Because anyone may send, a flood must stay cheap and must not shut out the
 others: the cheap checks come first (credentials, a per-sender rate for all
 but admins, size, JSON); a sender past its rate is dropped unread and
 unanswered; refusals and drops are logged at most once per sender per
-``_NOTE_EVERY`` seconds. Replies leave from a socket of their own, never the
+``senders.NOTE_EVERY`` seconds. Replies leave from a socket of their own, never the
 listening one: a reply waiting in the queue of a client that never reads is
 charged to the socket that sent it, and on the listening socket a few hundred
 of those would leave no room to answer anyone (EAGAIN). A client therefore
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainwatch.host.deferred import Deferrals, Later
+from trainwatch.host.senders import ERROR_MAX, RATE, Senders, one_line
 from trainwatch.privsep.access import GROUP, Peer, Peers, Refused
 from trainwatch.sources.heartbeat import SocketInUse, listening
 
@@ -66,11 +67,6 @@ _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _ANC_SIZE = socket.CMSG_SPACE(_CREDS.size)
 _TRUNC = int(socket.MSG_TRUNC)
 _BATCH = 64  # requests per handle() call, so a flood cannot starve the loop
-_ERROR_MAX = 300  # characters of an error line
-_NOTE_EVERY = 10.0  # seconds between log lines of one sender's refusals (or drops)
-_SENDERS_MAX = 1024  # senders remembered (rate, last line); all forgotten when full
-_RATE = 100.0  # requests a second from one sender that is not an admin ...
-_BURST = 200.0  # ... after a burst of this many
 
 Handler = Callable[[str, dict[str, Any], Peer], "dict[str, Any] | Later"]
 
@@ -105,11 +101,6 @@ class Counters:
 
 def control_path(run_dir: str) -> str:
     return os.path.join(run_dir, "control.sock")
-
-
-def _one_line(text: str) -> str:
-    line = " ".join(str(text).split())
-    return line if len(line) <= _ERROR_MAX else line[: _ERROR_MAX - 3] + "..."
 
 
 def _parse(data: bytes) -> tuple[str, dict[str, Any]]:
@@ -153,8 +144,7 @@ class ControlSocket:
         self.group = group
         self.quiet = quiet
         self.clock = clock
-        self._notes: dict[tuple[int, str], tuple[float, int]] = {}  # -> (logged at, since)
-        self._rates: dict[int, tuple[float, float]] = {}  # uid -> (tokens, at)
+        self.senders = Senders(clock)  # each sender's rate, and its lines in the log
         os.makedirs(run_dir, mode=0o755, exist_ok=True)
         if listening(self.path):
             raise SocketInUse(f"{self.path}: another trainwatch is listening here")
@@ -211,9 +201,9 @@ class ControlSocket:
                                                      "credentials"}, -1)
             return
         peer = self.peers.peer(pid, uid, gid)
-        if not self._within_rate(peer):
+        if not self.senders.within_rate(peer):
             c.throttled += 1
-            self._note(peer, "dropped", f"more than {_RATE:g} requests a second")
+            self.senders.note(peer, "dropped", f"more than {RATE:g} requests a second")
             return
         if flags & _TRUNC:
             c.malformed += 1
@@ -244,16 +234,16 @@ class ControlSocket:
             reply = {"ok": True, **{k: v for k, v in result.items() if k != "ok"}}
             log.log(logging.DEBUG if op in self.quiet else logging.INFO,
                     "control: %s %s from pid %d %s", op,
-                    json.dumps(args, sort_keys=True, default=str)[:_ERROR_MAX], peer.pid, peer)
+                    json.dumps(args, sort_keys=True, default=str)[:ERROR_MAX], peer.pid, peer)
         except Refused as e:
             c.refused += 1
-            self._note(peer, f"refused {op}", str(e))
-            reply = {"ok": False, "error": _one_line(f"{op}: {e}")}
+            self.senders.note(peer, f"refused {op}", str(e))
+            reply = {"ok": False, "error": one_line(f"{op}: {e}")}
         except Exception as e:
             c.failed += 1
             if not isinstance(e, ValueError | LookupError | ControlError):
                 log.exception("control: %s failed", op)
-            reply = {"ok": False, "error": _one_line(f"{op}: {e}" if str(e) else
+            reply = {"ok": False, "error": one_line(f"{op}: {e}" if str(e) else
                                                      f"{op}: {type(e).__name__}")}
         self._reply(addr, reply, peer.uid)
 
@@ -261,34 +251,6 @@ class ControlSocket:
         """Answer the deferred requests whose work is done (call it from the loop
         after ``wake``); how many were."""
         return self.deferred.settle()
-
-    def _within_rate(self, peer: Peer) -> bool:
-        """A token bucket per uid (_RATE a second, _BURST at once); admins have none."""
-        if peer.admin:
-            return True
-        now = self.clock()
-        tokens, at = self._rates.get(peer.uid, (_BURST, now))
-        tokens = min(_BURST, tokens + (now - at) * _RATE)
-        if len(self._rates) >= _SENDERS_MAX and peer.uid not in self._rates:
-            self._rates.clear()
-        self._rates[peer.uid] = (tokens - 1 if tokens >= 1 else tokens, now)
-        return tokens >= 1
-
-    def _note(self, peer: Peer, what: str, why: str) -> None:
-        """One line per sender and kind per _NOTE_EVERY seconds, saying how many
-        more there were meanwhile: a flood must not flood the journal."""
-        now = self.clock()
-        key = (peer.uid, what.split(" ", 1)[0])
-        at, since = self._notes.get(key, (float("-inf"), 0))
-        if now - at < _NOTE_EVERY:
-            self._notes[key] = (at, since + 1)
-            return
-        if len(self._notes) >= _SENDERS_MAX:
-            self._notes.clear()
-        self._notes[key] = (now, 0)
-        more = f" ({since} more since the last line)" if since else ""
-        log.warning("control: %s from pid %d %s: %s%s", what, peer.pid, peer, _one_line(why),
-                    more)
 
     def _reply(self, addr: Any, reply: dict[str, Any], uid: int) -> None:
         if not addr:  # an unbound sender: nowhere to answer
