@@ -28,7 +28,7 @@ from trainwatch.actions import cgroup
 from trainwatch.detectors.xid import classify
 from trainwatch.export import status as jobstatus
 from trainwatch.host import control
-from trainwatch.sources.kmsg import normalise_pci, parse_line
+from trainwatch.sources.kmsgparse import normalise_pci, parse_line
 
 from faultinject import identity, ranks
 

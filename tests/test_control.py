@@ -37,7 +37,8 @@ from trainwatch.host.control import (
     request,
 )
 from trainwatch.host.deferred import MAX_PENDING
-from trainwatch.sources.kmsg import KernelLog, parse_line
+from trainwatch.sources.kmsg import KernelLog
+from trainwatch.sources.kmsgparse import parse_line
 
 NOBODY = 65534
 Calls = list[tuple[str, dict[str, Any]]]

@@ -28,9 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from trainwatch.sources.kmsg import (
-    KernelLog,
-    KernelLogError,
+from trainwatch.sources.kmsg import KernelLog, KernelLogError
+from trainwatch.sources.kmsgparse import (
     ParsedXid,
     normalise_pci,
     parse_line,
