@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from trainwatch import cli
+from trainwatch.cli import runconfig
 from trainwatch.config import ConfigError, Job, from_mapping, load, parse_duration
 from trainwatch.detectors.xid import Immediate
 from trainwatch.host.supervisor import check_command
@@ -522,12 +523,12 @@ def _run_args(*extra: str) -> argparse.Namespace:
 
 def test_run_flags_set_require_heartbeat_startup_timeout_and_metrics_address() -> None:
     """--require-heartbeat with --startup-timeout and --metrics-address reach the config."""
-    config, job = cli._run_config(_run_args(
+    config, job = runconfig.run_config(_run_args(
         "--require-heartbeat", "--startup-timeout", "20s", "--metrics-address", "0.0.0.0",
         "--", "true"))
     assert (job.heartbeat.required, job.heartbeat.startup_timeout) == (True, 20.0)
     assert config.metrics.address == "0.0.0.0"
-    config, job = cli._run_config(_run_args("--", "true"))
+    config, job = runconfig.run_config(_run_args("--", "true"))
     assert config.metrics.address == "127.0.0.1" and job.heartbeat.required is False
 
 

@@ -17,6 +17,7 @@ import yaml
 from conftest import Workspace, finish, free_port, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 from trainwatch import cli
+from trainwatch.cli import runconfig
 from trainwatch.config import from_mapping
 
 # Reports a checkpoint it writes in the folder given (attempt N: step N + 5), then
@@ -159,7 +160,7 @@ def test_trainwatch_run_takes_stall_silence(tmp_path: Path, flag: list[str],
         ["run", "--state-dir", str(tmp_path / "s"), "--run-dir", str(tmp_path / "r"), *flag,
          "--", "true"])
     args.command = args.command[1:]
-    _config, job = cli._run_config(args)
+    _config, job = runconfig.run_config(args)
     assert job.stall.silence == silence
 
 
