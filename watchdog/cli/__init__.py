@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from trainwatch import __version__
-from trainwatch.cli import commands
+from trainwatch.cli import parsers
 from trainwatch.cli.runconfig import host_flag, run_config
 from trainwatch.config import ConfigError, Job, fields, load, torchrun
 from trainwatch.export.logformat import FORMATS as LOG_FORMATS
@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("file")
     c.set_defaults(fn=cmd_check_config)
 
-    commands.add_parsers(sub)
+    parsers.add_parsers(sub)
     return p
 
 
