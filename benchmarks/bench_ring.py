@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt_summary, machine_line, scratch_dir, summarize
 from trainwatch import client
-from trainwatch.sources import ring
+from trainwatch.sources import ring, ringreader
 
 GOAL_US = 2.0
 
@@ -98,7 +98,7 @@ def delivery(d: Path, mode: str, ranks: int, rate: float, seconds: float,
                                                seconds, start, written)) for r in range(ranks)]
     for p in procs:
         p.start()
-    readers: dict[str, ring.RingReader] = {}
+    readers: dict[str, ringreader.RingReader] = {}
     got = 0
     ring_values = 0
 
@@ -113,7 +113,7 @@ def delivery(d: Path, mode: str, ranks: int, rate: float, seconds: float,
         if mode == "ring":
             for _r, _p, path in ring.scan(rings):
                 if path not in readers:
-                    readers[path] = ring.RingReader(path)
+                    readers[path] = ringreader.RingReader(path)
             for r in readers.values():
                 ring_values += len(r.read())
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import UserPython
 from trainwatch import client
-from trainwatch.sources import ring
+from trainwatch.sources import ring, ringreader
 from trainwatch.sources.heartbeat import parse
 from trainwatch.types import Beat, CheckpointReport
 
@@ -345,9 +345,9 @@ def ring_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return d
 
 
-def _ring_records(d: Path, rank: int = 0, pid: int | None = None) -> list[ring.Record]:
+def _ring_records(d: Path, rank: int = 0, pid: int | None = None) -> list[ringreader.Record]:
     path = d / ring.file_name(rank, os.getpid() if pid is None else pid)
-    with ring.RingReader(str(path)) as r:
+    with ringreader.RingReader(str(path)) as r:
         return r.read()
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from conftest import Workspace, finish, missing
 from trainwatch import client
-from trainwatch.sources import ring
+from trainwatch.sources import ring, ringreader
 from trainwatch.sources.heartbeat import parse
 from trainwatch.types import DataOrder
 
@@ -58,8 +58,8 @@ def rings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Pat
     s.close()
 
 
-def _beats(d: Path) -> dict[int, ring.Record]:
-    with ring.RingReader(str(d / ring.file_name(0, os.getpid()))) as r:
+def _beats(d: Path) -> dict[int, ringreader.Record]:
+    with ringreader.RingReader(str(d / ring.file_name(0, os.getpid()))) as r:
         return {x.step: x for x in r.read()}
 
 

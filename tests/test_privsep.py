@@ -42,7 +42,7 @@ from trainwatch.privsep.credentials import Identity, resolve
 from trainwatch.privsep.hand import Hand, HandDown, HandTimeout, OpFailed
 from trainwatch.snapshot import blobs
 from trainwatch.snapshot import format as snapshot_format
-from trainwatch.sources import ring
+from trainwatch.sources import ring, ringreader
 from trainwatch.state import checkpointlist, handdisk, numbered, ondisk, retention
 from trainwatch.state.catalog import Catalog
 from trainwatch.state.handdisk import HandDisk
@@ -943,7 +943,7 @@ def test_a_ring_of_a_million_slots_kept_full_is_read_only_so_far(tmp_path: Path)
     65,535 records parsed in the daemon's loop (2^20 slots took it 1.2 s a read)."""
     w = ring.RingWriter(str(tmp_path), 0, slots=1 << 16)
     assert w.ok, w.error
-    with ring.RingReader(w.path, skip_existing=True) as rd:
+    with ringreader.RingReader(w.path, skip_existing=True) as rd:
         for i in range(1 << 16):
             w.write(i, 1.0, 1.0)
         got = rd.read()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 from trainwatch.sources import ring
-from trainwatch.sources.ring import Record, RingError, RingReader, RingWriter, scan
+from trainwatch.sources.ring import RingWriter, scan
+from trainwatch.sources.ringreader import Record, RingError, RingReader
 
 
 def _writer(

@@ -24,7 +24,7 @@ import selectors
 import time
 from collections.abc import Callable, Sequence, Set
 
-from trainwatch.sources import ring
+from trainwatch.sources import ring, ringreader
 from trainwatch.sources.beatpoll import BeatPoller
 from trainwatch.sources.heartbeat import BATCH, HeartbeatSocket
 from trainwatch.types import Beat, CheckpointReport, DataOrder
@@ -69,7 +69,7 @@ class Intake:
         self.poller = BeatPoller(self.socket, selector, self._drain_socket, clock)
         self.ring_dir: str | None = None
         self._ended = False  # the attempt's processes are gone: see new_attempt
-        self.readers: dict[str, ring.RingReader] = {}
+        self.readers: dict[str, ringreader.RingReader] = {}
         self.refused: set[str] = set()  # ring files not believed or not rings
         # Rings whose writer's pid could not be proven yet: looked at again at each
         # scan (a loaded loop may see a rank's ring before its first datagram, and
@@ -199,13 +199,13 @@ class Intake:
                     or (path in self.unproven and pid not in beaten):
                 continue  # an unproven one again once its pid has beaten
             why = None
-            rd: ring.RingReader | None = None
+            rd: ringreader.RingReader | None = None
             if len(self.readers) >= self.max_rings:
                 why = f"more than {self.max_rings} rings"
             else:
                 try:
-                    rd = ring.RingReader(path)
-                except (ring.RingError, OSError) as e:
+                    rd = ringreader.RingReader(path)
+                except (ringreader.RingError, OSError) as e:
                     why = str(e)
             # The pid is the writer's claim, not the kernel's word (as a datagram's
             # sender is): no exemption for root, the pid must be in the tree. An
