@@ -297,6 +297,22 @@ def test_a_join_admitted_late_ends_only_the_workers_of_before_the_join(ws: Works
         r.intake.close()
 
 
+def test_a_reload_that_changes_nodes_says_what_restarts_the_job_stays_until_a_restart(
+        ws: Workspace, caplog: pytest.LogCaptureFixture) -> None:
+    """What restarts a job is chosen once, from its config as trainwatch started it: a
+    reload that drops ``nodes:`` says so in one line, and torchrun's agent still does."""
+    from trainwatch.multihost.engine import Torchrun
+
+    r = _runner(ws, 0.0)
+    try:
+        r.reconfigure(r.config, dataclasses.replace(r.job, nodes=None))
+        assert isinstance(r.engine, Torchrun)
+        assert any("nodes changed: what restarts it stays as it was until trainwatch "
+                   "restarts" in m for m in caplog.messages), caplog.messages
+    finally:
+        r.intake.close()
+
+
 def _forge(ws: Workspace, path: str, step: int) -> int:
     """A group decision written by the job's user into its checkpoint folder (no host
     made it): the next restart's number, resuming from ``path``, charged to nothing."""

@@ -220,6 +220,9 @@ class JobRunner:
         self.config, self.job, self.policy = config, job, config.policy_for(job)
         self.hands.follow(job.name, job.user, job.group)  # its folders, as its user now
         log.info("job %s: config changed; applies at its next launch", job.name)
+        if type(engine_for(job)) is not type(self.engine):  # nodes: or Slurm's, changed
+            log.warning("job %s: nodes changed: what restarts it stays as it was until "
+                        "trainwatch restarts", job.name)
 
     def gpus(self) -> list[int] | None:
         """The GPUs an attempt gets now; None when trainwatch does not see GPUs."""
