@@ -228,6 +228,20 @@ class Fault:
 
 
 @dataclass(frozen=True)
+class Finding:
+    """What a watcher found, for the lifecycle to act on (respond.py): a fault and
+    the action its rule names (None: the policy's for its kind)."""
+    fault: Fault
+    action: Action | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A watcher's word that the job ended well (a clean exit)."""
+    why: str
+
+
+@dataclass(frozen=True)
 class Decision:
     action: Action
     delay: float = 0.0  # seconds of backoff before the relaunch

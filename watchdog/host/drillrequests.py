@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from trainwatch.lifecycle import respond
 from trainwatch.privsep import access
 from trainwatch.privsep.access import Peer
 from trainwatch.watch import anomalies
@@ -61,7 +62,10 @@ def drill(sup: Supervisor, args: dict[str, Any], peer: Peer) -> dict[str, Any]:
     r = _job(sup, job)
     access.check(peer, r.job.name, r.job.user)
     if kind in ("nan", "grad-spike"):
-        return anomalies.inject(r, kind, args.get("scale"), args.get("steps"))
+        beats = anomalies.drill(r, kind, args.get("scale"), args.get("steps"))
+        found = respond.act_on(r, anomalies.check(r, beats, drill=True))
+        return {"job": r.job.name, "kind": kind, "steps": [beats[0].step, beats[-1].step],
+                "found": anomalies.said(found)}
     if kind not in _KINDS:
         raise ValueError("expected kind crash, hang, nccl_stall, log_line, nan or "
                          f"grad-spike, got {kind!r}")

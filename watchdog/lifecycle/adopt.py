@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from trainwatch.actions import kept
 from trainwatch.actions.attempt import Attempt
+from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.policy import RestartHistory
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state import runtime
@@ -86,7 +87,7 @@ def adopt_or_start(r: Runner) -> None:
             r.mark_exit_handled(a.number)
             r.begin_stop(JobState.BACKOFF, f"adopted: incident {done} already recorded")
             return
-        exits.check(r)  # it may have ended while no daemon watched
+        respond.act_on(r, exits.check(r))  # it may have ended while no daemon watched
     elif state is JobState.BACKOFF:
         r.relaunch_at = now + max(0.0, (rt.relaunch_at or wall) - wall)
         r.to(JobState.BACKOFF, f"adopted: relaunch in {r.relaunch_at - now:.2f}s")

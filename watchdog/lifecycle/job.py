@@ -35,7 +35,7 @@ from trainwatch.detectors import next_deadline as detector_deadline
 from trainwatch.export import status
 from trainwatch.export.events import Events
 from trainwatch.export.goodput import Goodput
-from trainwatch.lifecycle import adopt, saved
+from trainwatch.lifecycle import adopt, respond, saved
 from trainwatch.lifecycle.drill import DrillNotice
 from trainwatch.lifecycle.engines import engine_for
 from trainwatch.lifecycle.policy import RestartHistory, XidHistory
@@ -275,7 +275,7 @@ class JobRunner:
             self.to(JobState.RUNNING, f"first heartbeat (rank {taken.rank}, step {taken.step})")
         elif new_pid:
             self.publish()
-        anomalies.check(self, beats)
+        respond.act_on(self, anomalies.check(self, beats))
 
     def _unregister(self, fd: int) -> None:
         if fd in self.sel.get_map():
@@ -284,7 +284,7 @@ class JobRunner:
     def on_exit_ready(self, fd: int) -> None:
         # Handled first: should it raise, the pidfd stays registered (it stays
         # readable once the process has exited) and the exit is handled next round.
-        exits.check(self)
+        respond.act_on(self, exits.check(self))
         self._unregister(fd)
         a = self.attempt
         if a is not None and a.pidfd == fd:
@@ -308,12 +308,12 @@ class JobRunner:
             a.follow()
         running = self.state in (JobState.STARTING, JobState.RUNNING)
         if running and a is not None and a.pidfd is None and self.exit_handled != a.number:
-            exits.check(self)
+            respond.act_on(self, exits.check(self))
         if self.last_step != self.published_step \
                 and now - self.published_at >= _PUBLISH_EVERY * self.grid:
             self.publish()
         if self.state in (JobState.STARTING, JobState.RUNNING) and a is not None:
-            live.check(self, a, now)
+            respond.act_on(self, live.check(self, a, now))
         elif self.state is JobState.STOPPING:
             stopping.advance(self, now)
         elif self.state is JobState.BACKOFF and self.engine.relaunch_due(self, now):

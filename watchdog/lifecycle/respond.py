@@ -5,12 +5,13 @@ hook, and stop the job for a relaunch, for good, or not at all."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from trainwatch.actions import evidence, hook, rollback
 from trainwatch.actions import stop as stopping
 from trainwatch.lifecycle.policy import decide
-from trainwatch.types import Action, Fault, FaultKind, JobState
+from trainwatch.types import Action, Fault, FaultKind, Finding, Finished, JobState
 from trainwatch.watch import firstfailure
 
 if TYPE_CHECKING:
@@ -37,6 +38,19 @@ def progressed(r: Runner) -> bool:
         return False
     newest, resumed = r.catalog.last_good(fresh=False), r.engine.resumed_step(r)
     return newest is not None and newest.step > (resumed if resumed is not None else -1)
+
+
+def act_on(r: Runner, found: Iterable[Finding | Finished]) -> list[Finding]:
+    """Act on what a watcher finds, each before the watcher looks further (it
+    stops once the job is no longer live). The faults acted on."""
+    acted = []
+    for f in found:
+        if isinstance(f, Finished):
+            r.begin_stop(JobState.EXITED, f.why)
+        else:
+            handle(r, f.fault, f.action)
+            acted.append(f)
+    return acted
 
 
 def handle(r: Runner, fault: Fault, action: Action | None = None) -> None:

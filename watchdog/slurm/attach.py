@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from trainwatch.actions import attempt
 from trainwatch.actions.launch import begin_attempt
 from trainwatch.config.schema import Job, SlurmWatch
+from trainwatch.lifecycle import respond
 from trainwatch.privsep.access import Peer, Refused
 from trainwatch.slurm import command, readopt, requeue
 from trainwatch.slurm.command import NO_SLURM, Slurm
@@ -123,7 +124,7 @@ def join(r: Runner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
         # the job's next step (a clean end of this one).
         a.ended(0 if a.number == proven.restarts else -int(signal.SIGTERM))
         if r.state in _LIVE:
-            exits.check(r)
+            respond.act_on(r, exits.check(r))
     if r.state is JobState.STOPPING or not requeue.settled(r):
         return None
     r.number = proven.restarts

@@ -12,43 +12,44 @@ loss), while a non-finite value from any rank is a ``nan_loss`` at once.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from trainwatch.lifecycle import respond
-from trainwatch.types import Action, Beat, Fault, FaultKind, JobState
+from trainwatch.types import Action, Beat, Fault, FaultKind, Finding, JobState
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
 
 
-def check(r: Runner, beats: Sequence[Beat], drill: bool = False) -> list[str]:
-    """Feed a batch of beats; act on the first sustained anomaly (the job is
-    then being stopped: the rest of the batch is its own past). What was found,
-    as "kind level". An attempt that has exited is judged by its exit, not by
-    the last values drained after it."""
-    found: list[str] = []
+def check(r: Runner, beats: Sequence[Beat], drill: bool = False) -> Iterator[Finding]:
+    """Feed a batch of beats, up to the first sustained anomaly (acted on, the job
+    is then being stopped: the rest of the batch is its own past). An attempt that
+    has exited is judged by its exit, not by the last values drained after it."""
     a = r.attempt
     for an, b in r.anomalies.observe(beats):
         if r.state not in (JobState.STARTING, JobState.RUNNING) or (
                 a is not None and a.returncode is not None):
             break
-        found.append(f"{an.kind} {an.level}")
         evidence: dict[str, object] = {**an.evidence, "value": an.value, "noticed_step": an.step,
                                        "level": an.level}
         if drill:
             evidence["source"] = "drill"
         fault = Fault(FaultKind(an.kind), r.job.name, onset=b.at, evidence=evidence,
                       rank=b.rank, onset_step=an.onset)
-        respond.handle(r, fault, Action.ALERT if an.level != "act" else None)
-    return found
+        yield Finding(fault, Action.ALERT if an.level != "act" else None)
 
 
-def inject(r: Runner, kind: object, scale: object = None, steps: object = None
-           ) -> dict[str, object]:
-    """A drill (``faultinject nan | grad-spike``): observations marked injected
-    (evidence ``source: drill``) enter the job's loss feed as the lead rank's,
-    and what the detectors decide is handled as a real fault: ``nan``, one
+def said(found: Sequence[Finding]) -> list[str]:
+    """What was found, as "kind level"."""
+    return [f"{f.fault.kind.value} {f.fault.evidence['level']}" for f in found]
+
+
+def drill(r: Runner, kind: object, scale: object = None, steps: object = None
+          ) -> list[Beat]:
+    """A drill's beats (``faultinject nan | grad-spike``), for check(drill=True):
+    observations marked injected (evidence ``source: drill``) that enter the
+    job's loss feed as the lead rank's, and what the detectors decide is handled
+    as a real fault: ``nan``, one
     non-finite loss; ``grad-spike``, the lead's grad norm x ``scale`` (100) for
     ``steps`` steps (the job's ``act_run``: enough to act). They take the steps
     from the one being trained now (the last beaten + 1; the watch ignores
@@ -85,7 +86,4 @@ def inject(r: Runner, kind: object, scale: object = None, steps: object = None
     else:
         raise ValueError(f"expected kind nan or grad-spike, got {kind!r}")
     rank, now = feed.lead if feed.lead is not None else 0, r.clock()
-    beats = [Beat(rank, first + i, now, 0, loss, grad) for i, (loss, grad) in enumerate(values)]
-    found = check(r, beats, drill=True)
-    return {"job": name, "kind": kind, "steps": [first, first + len(values) - 1],
-            "found": found}
+    return [Beat(rank, first + i, now, 0, loss, grad) for i, (loss, grad) in enumerate(values)]

@@ -1,18 +1,19 @@
 """A live attempt's watchers, in their order at each tick of the loop: the rank
 processes (first failure), the job's output (log rules), the stall watch, and
-the tick detectors (a hang). The first that acts ends the round: the job is no
-longer live."""
+the tick detectors (a hang). What they find is yielded, in order, for the
+lifecycle to act on (respond.act_on); the first acted on that stops the job ends
+the round: the job is no longer live."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from trainwatch.actions.attempt import Attempt
 from trainwatch.actions.tree import stopped_ranks
 from trainwatch.detectors import run as run_detectors
-from trainwatch.lifecycle import respond
-from trainwatch.types import JobState
+from trainwatch.types import Finding, JobState
 from trainwatch.watch import firstfailure, logwatch, stallwatch
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ RUNNING_WITHOUT_BEATS = 10.0
 _LIVE = (JobState.STARTING, JobState.RUNNING)
 
 
-def check(r: Runner, a: Attempt, now: float) -> None:
+def check(r: Runner, a: Attempt, now: float) -> Iterator[Finding]:
     # Since the attempt's start, or its group round's (r.ranks begin with either).
     if r.state is JobState.STARTING and not r.ranks.beaten \
             and now - r.ranks.started >= RUNNING_WITHOUT_BEATS:
@@ -34,8 +35,8 @@ def check(r: Runner, a: Attempt, now: float) -> None:
     # A multi-host job: a rank's own end, a peer's restart, evidence before a restart.
     if r.engine.check(r, a, now) or r.state not in _LIVE:
         return
-    logwatch.check(r, now)
-    stallwatch.check(r, now)
+    yield from logwatch.check(r, now)
+    yield from stallwatch.check(r, now)
     if r.state not in _LIVE or r.hang_latched:
         return  # a log rule or the stall detector acted; a hang already reported
     faults = run_detectors("tick", r.view(now))
@@ -52,4 +53,4 @@ def check(r: Runner, a: Attempt, now: float) -> None:
             return  # a multi-host job: the host with the stopped rank names it
         if r.take_drill("hang", "nccl_stall") is not None:
             fault = dataclasses.replace(fault, evidence={**fault.evidence, "source": "drill"})
-        respond.handle(r, fault)
+        yield Finding(fault)

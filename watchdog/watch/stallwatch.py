@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from trainwatch.detectors import stall
 from trainwatch.detectors.stall import SilentView, StallView
-from trainwatch.lifecycle import respond
 from trainwatch.lifecycle.policy import choose
-from trainwatch.types import Action, Fault, FaultKind, JobState
+from trainwatch.types import Action, Fault, FaultKind, Finding, JobState
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
@@ -60,13 +60,13 @@ def deadline(r: Runner, now: float) -> float | None:
     return d
 
 
-def check(r: Runner, now: float) -> None:
-    """Judge the job's ranks now; a stall is handled (respond.py)."""
+def check(r: Runner, now: float) -> Iterator[Finding]:
+    """Judge the job's ranks now; a stall is found for respond.py."""
     w, a = r.stall, r.attempt
     if a is None or r.state not in (JobState.STARTING, JobState.RUNNING):
         return
     if not r.ranks.beaten:
-        _check_silent(r, now)
+        yield from _check_silent(r, now)
         return
     newest = _newest_advance(r)
     if newest is None:
@@ -81,10 +81,10 @@ def check(r: Runner, now: float) -> None:
     r.intake.drain()  # a beat may be queued: read it before judging
     fault = stall.detect(r.job.name, _view(r, now, sample=True), w.settings)
     if fault is not None:
-        _act(r, fault)
+        yield from _found(r, fault)
 
 
-def _check_silent(r: Runner, now: float) -> None:
+def _check_silent(r: Runner, now: float) -> Iterator[Finding]:
     w, a = r.stall, r.attempt
     assert a is not None
     if w.settings.silence is None or a.closed or str(a.log_path) == os.devnull:
@@ -102,7 +102,7 @@ def _check_silent(r: Runner, now: float) -> None:
     v = SilentView(now, silent_for, procs, now - a.started, w.quiet_for(now, procs))
     fault = stall.detect_silent(r.job.name, v, w.settings)
     if fault is not None:
-        _act(r, fault)
+        yield from _found(r, fault)
 
 
 def _gpu_utilization(r: Runner) -> dict[str, float]:
@@ -120,7 +120,7 @@ def _gpu_utilization(r: Runner) -> dict[str, float]:
     return out
 
 
-def _act(r: Runner, fault: Fault) -> None:
+def _found(r: Runner, fault: Fault) -> Iterator[Finding]:
     if r.engine.held(r, fault, r.clock()):
         return  # a multi-host job: the host with the stopped rank names it
     extra: dict[str, object] = {}
@@ -136,4 +136,4 @@ def _act(r: Runner, fault: Fault) -> None:
         # The GPU fault alone was only worth an alert; with the job stuck on it,
         # the stall's action applies.
         action = r.policy.action_for(FaultKind.NCCL_STALL)
-    respond.handle(r, fault, action)
+    yield Finding(fault, action)
