@@ -116,7 +116,8 @@ from fake_pynvml import (  # noqa: E402
     FakeNvml,
 )
 from trainwatch.config import Gpu  # noqa: E402
-from trainwatch.sources.nvml import EVENT_WAIT_MS, GpuUnavailable, NvmlSource  # noqa: E402
+from trainwatch.sources.nvml import GpuUnavailable, NvmlSource  # noqa: E402
+from trainwatch.sources.nvmlevents import EVENT_WAIT_MS  # noqa: E402
 from trainwatch.types import Fault, FaultKind, XidEvent  # noqa: E402
 from trainwatch.watch.gpuwatch import GpuWatch  # noqa: E402
 
