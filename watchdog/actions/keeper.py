@@ -21,7 +21,8 @@ to the daemon with two lines (text):
 Start times are ``starttime`` of /proc/<pid>/stat, clock ticks since boot:
 unlike an epoch time they never move with the wall clock.
 
-It imports only os and modules built into the interpreter: ``signal``,
+It imports only os, modules built into the interpreter, and keeperwire.py
+(its JSON and files, with the same rule) beside it: ``signal``,
 ``json``, ``subprocess`` and this package's modules would cost 8 to 130 ms
 each (enum, re, yaml); ctypes (7 ms) only for pdeathsig.
 """
@@ -34,12 +35,16 @@ import os
 import sys
 import time
 
-try:  # the C half of json, without json's import of re (10 ms)
-    from _json import encode_basestring_ascii as _quote
-    from _json import make_scanner as _make_scanner
-except ImportError:  # another Python implementation
-    from json.encoder import encode_basestring_ascii as _quote
-    from json.scanner import make_scanner as _make_scanner
+if __package__:  # python -m trainwatch.actions.keeper
+    from trainwatch.actions.keeperwire import dumps, loads, start_ticks, write_file
+else:  # by path, isolated (-I): its own folder, for its one sibling
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # last: never shadows
+    from keeperwire import (  # type: ignore[import-not-found,no-redef]
+        dumps,
+        loads,
+        start_ticks,
+        write_file,
+    )
 
 _PR_SET_PDEATHSIG = 1
 _IGNORED = (_signal.SIGINT, _signal.SIGHUP, _signal.SIGTERM, _signal.SIGPIPE)
@@ -47,88 +52,6 @@ _REPORT = 3  # fd of the pipe back to the daemon
 _NOT_FOUND = 127  # the shell's codes: no such program; found but not runnable
 _NOT_RUN = 126
 _EXIT_TRIES = 5  # attempts at the exit file, a second apart (a full disk may clear)
-
-
-def _constant(name: str) -> float:
-    raise ValueError(f"{name} is not JSON")
-
-
-class _Context:
-    """What json's C scanner reads from its decoder (strict JSON, plain types)."""
-
-    strict = True
-    object_hook = None
-    object_pairs_hook = None
-    parse_float = float
-    parse_int = int
-    parse_constant = staticmethod(_constant)
-    memo: dict[str, str] = {}  # noqa: RUF012  (the scanner's own cache of keys)
-
-
-def loads(text: str) -> object:
-    """Parse one JSON document (ValueError when it is not one)."""
-    scan = _make_scanner(_Context())  # type: ignore[arg-type]  # duck-typed context
-    i = len(text) - len(text.lstrip())
-    try:
-        obj, end = scan(text, i)
-    except (StopIteration, SystemError):
-        # The C scanner reports its errors through json.decoder, which we did
-        # not import; on this path only, let json say what is wrong.
-        import json
-
-        json.loads(text)
-        raise ValueError("not JSON") from None
-    if text[end:].strip():
-        raise ValueError(f"extra data at character {end}")
-    return obj
-
-
-def dumps(obj: dict[str, object]) -> str:
-    """One flat JSON object (str, int, float, bool, None values), ASCII, one line."""
-    items = []
-    for key, v in obj.items():
-        if v is None or isinstance(v, bool):
-            s = "null" if v is None else ("true" if v else "false")
-        elif isinstance(v, (int, float)):
-            s = repr(v)
-        else:
-            s = _quote(str(v))
-        items.append(f"{_quote(key)}: {s}")
-    return "{" + ", ".join(items) + "}\n"
-
-
-def start_ticks(pid: int | str) -> int:
-    """Field 22 of /proc/<pid>/stat (after the command name, which may hold ")")."""
-    fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        data = os.read(fd, 4096)
-    finally:
-        os.close(fd)
-    return int(data[data.rfind(b")") + 2:].split()[19])
-
-
-def write_file(path: str, text: str) -> None:
-    """Atomically: a temp file beside it, fsync, rename, fsync of the folder."""
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o640)
-    try:
-        data = text.encode()
-        while data:
-            data = data[os.write(fd, data):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.rename(tmp, path)
-    dfd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _quietly(f: object, *args: object) -> None:
