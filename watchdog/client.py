@@ -19,12 +19,8 @@ shared memory, no syscall, no 5 ms limit) and a datagram is sent only to
 announce a new ring (the first beat of each rank in each process) and at
 once for a non-finite loss or gradient norm, so that the daemon acts on a NaN
 without waiting for its next read. Without it, or if the ring file cannot be
-made, every beat is a datagram, as before.
-
-In a Slurm job step that trainwatch did not launch (SLURM_JOB_ID, SLURM_STEP_ID
-and SLURM_PROCID set, TRAINWATCH_SOCKET not), connect() first attaches the
-rank to the node's daemon (trainwatch.slurmattach, loaded only then), once
-per process and for at most TRAINWATCH_ATTACH_TIMEOUT seconds.
+made, every beat is a datagram, as before. In a Slurm step that trainwatch did
+not launch, connect() first attaches the rank to the node's daemon.
 """
 
 from __future__ import annotations
@@ -389,45 +385,16 @@ def connect(path: str | None = None, rank: int | None = None) -> Heartbeat | Nul
     return Heartbeat(path, _env_rank() if rank is None else rank, os.environ.get(RING_ENV))
 
 
-def _group_decision() -> dict[str, object] | None:
-    """A multi-host job's newest group restart, decided since this process's
-    launcher started (its launcher restarts it with the environment it had):
-    the one every rank of the group resumes from (trainwatch.multihost)."""
-    base = os.environ.get("TRAINWATCH_GROUP_DIR")
-    if not base:
-        return None
-    try:
-        after = int(os.environ.get("TRAINWATCH_GROUP_GEN") or 0)
-    except ValueError:
-        after = 0
-    from trainwatch.multihost import records  # stdlib only; only multi-host jobs load it
-
-    return records.decision_after(base, after)
-
-
 def resume_from() -> str | None:
     """The checkpoint to resume from (TRAINWATCH_RESUME_FROM; in a multi-host job,
     the newest group restart's), or None on a fresh start."""
-    d = _group_decision()
-    if d is not None:
-        path = d.get("resume_path")
-        return path if isinstance(path, str) and path else None
-    return os.environ.get("TRAINWATCH_RESUME_FROM") or None
+    from trainwatch import resume  # stdlib only; loaded when a rank asks
+
+    return resume.resume_from()
 
 
 def skip_steps() -> tuple[int, int] | None:
     """(start, end) steps whose data to skip after a rollback, or None."""
-    d = _group_decision()
-    if d is not None:
-        skip = d.get("skip")
-        if isinstance(skip, list) and len(skip) == 2 and all(isinstance(x, int) for x in skip):
-            return int(skip[0]), int(skip[1])
-        return None
-    raw = os.environ.get("TRAINWATCH_SKIP_STEPS")
-    if not raw:
-        return None
-    try:
-        a, b = raw.split(":")
-        return int(a), int(b)
-    except ValueError:
-        return None
+    from trainwatch import resume
+
+    return resume.skip_steps()
