@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 import time
+from types import ModuleType
 
 from trainwatch.sources.ring import ENV as RING_ENV
 from trainwatch.sources.ring import RingWriter
@@ -50,6 +51,7 @@ _UNSENT_KEPT = 4  # unsent checkpoint reports kept for a later beat to send
 _UNSENT_RETRY = 0.1  # seconds between two tries from beat()
 _FLUSH_FOR = 1.0  # before a non-finite value (rare: it starts a rollback), kept reports retried
 _MAX_WHY = 300  # characters of a data-order reason sent (the daemon keeps as many)
+_monotonic, _isfinite = time.monotonic, math.isfinite  # bound once: the beat's hot path
 
 
 def _num(x: float | None) -> str:
@@ -60,9 +62,6 @@ def _num(x: float | None) -> str:
     return repr(x) if math.isfinite(x) else f'"{x}"'
 
 
-_monotonic = time.monotonic
-
-
 def _finite(x: float | None) -> bool:
     return x is None or math.isfinite(x)
 
@@ -70,8 +69,6 @@ def _finite(x: float | None) -> bool:
 def _head(rank: int) -> str:
     return f'{{"v":1,"k":"beat","rank":{int(rank)},"step":'
 
-
-_isfinite = math.isfinite
 
 # This process's ring writers, one per (ring folder, rank), shared by every
 # Heartbeat in it (two connect() calls must not fight over one file). None:
@@ -386,15 +383,18 @@ def connect(path: str | None = None, rank: int | None = None) -> Heartbeat | Nul
 
 
 def resume_from() -> str | None:
-    """The checkpoint to resume from (TRAINWATCH_RESUME_FROM; in a multi-host job,
-    the newest group restart's), or None on a fresh start."""
-    from trainwatch import resume  # stdlib only; loaded when a rank asks
-
-    return resume.resume_from()
+    """The checkpoint to resume from, or None on a fresh start (trainwatch.resume)."""
+    path: str | None = _resume().resume_from()
+    return path
 
 
 def skip_steps() -> tuple[int, int] | None:
     """(start, end) steps whose data to skip after a rollback, or None."""
-    from trainwatch import resume
+    window: tuple[int, int] | None = _resume().skip_steps()
+    return window
 
-    return resume.skip_steps()
+
+def _resume() -> ModuleType:
+    from trainwatch import resume  # stdlib only; loaded when a rank asks
+
+    return resume
