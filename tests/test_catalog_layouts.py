@@ -122,7 +122,8 @@ def test_reports_do_not_list_the_folder_again(tmp_path: Path,
     listed = cat.disk.listings
     judged: list[int] = []
     judge = cat.layout.judge
-    cat.layout.judge = lambda root, step, path: (judged.append(step), judge(root, step, path))[1]  # type: ignore[method-assign]
+    cat.layout.judge = lambda root, step, *more: (  # type: ignore[method-assign]
+        judged.append(step), judge(root, step, *more))[1]
     for step in range(2000, 2200):
         (ckpt / f"step_{step}").write_bytes(b"w")
         cat.report(step, str(ckpt / f"step_{step}"))

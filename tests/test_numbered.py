@@ -154,3 +154,55 @@ def test_a_reporting_job_is_judged_by_its_reports_not_the_folder(ckpt: Path,
     assert cat.report(3, str(ckpt / "step_3.pt"))
     good = cat.last_good()
     assert good is not None and good.step == 3
+
+
+def _written(path: Path, *ages: float) -> Path:
+    """A folder whose files were last written ``ages`` seconds ago, one file each."""
+    path.mkdir()
+    for i, age in enumerate(ages):
+        f = path / f"shard_{i}.bin"
+        f.write_bytes(b"w" * 100)
+        os.utime(f, (NOW - age, NOW - age))
+    os.utime(path, (NOW - min(ages), NOW - min(ages)))
+    return path
+
+
+@pytest.mark.parametrize(("older", "newer", "complete"), [
+    # (ages of the older one's files, ages of the newer one's files or None): is the older complete?
+    ((20.0, 18.0), (10.0, 5.0), True),   # the job began the newer one after the older's last write
+    ((20.0, 4.0), (10.0, 5.0), False),   # the older was still written while the newer began
+    ((20.0, 10.0), (10.0, 5.0), False),  # at the same second: not after
+    ((20.0, 18.0), None, False),         # nothing newer: only the quiet time says so
+    ((3600.0,), (10.0,), True),          # quiet anyway
+], ids=["moved-past", "written-alongside", "same-time", "newest", "quiet"])
+def test_a_checkpoint_the_job_moved_past_is_complete_without_the_quiet_time(
+        ckpt: Path, tmp_path: Path, older: tuple[float, ...], newer: tuple[float, ...] | None,
+        complete: bool) -> None:
+    """A job writes one checkpoint after another: one whose next was begun after its last
+    change is whole, without waiting 60 s; the newest waits its quiet time."""
+    _written(ckpt / "step_10", *older)
+    if newer is not None:
+        _written(ckpt / "step_20", *newer)
+    cat = _catalog(tmp_path, Clock())
+    (e,) = [e for e in cat.entries() if e.step == 10]
+    assert e.complete is complete, e.why
+    if newer is not None and complete and max(older) < 60:
+        assert e.why.startswith("moved past (the job began step_20 after"), e.why
+    if newer is not None:
+        (n,) = [e for e in cat.entries() if e.step == 20]
+        assert not n.complete and "changed within 60s" in n.why, n.why
+
+
+@pytest.mark.parametrize(("spec", "complete", "why"), [
+    ({"layout": "generic", "quiet_for": 60.0}, True, "moved past"),
+    ({"layout": "generic", "marker": "COMPLETE"}, False, "incomplete"),  # only the marker says
+    ({"layout": "auto", "marker": "COMPLETE"}, False, "incomplete"),
+], ids=["generic-quiet", "generic-marker", "auto-marker"])
+def test_moved_past_applies_where_time_is_what_says_complete(
+        ckpt: Path, tmp_path: Path, spec: dict[str, object], complete: bool, why: str) -> None:
+    """Where the user named a marker and no quiet time, the marker alone completes one."""
+    _written(ckpt / "step_10", 20.0)
+    _written(ckpt / "step_20", 10.0)
+    cat = _catalog(tmp_path, Clock(), **spec)
+    (e,) = [e for e in cat.entries() if e.step == 10]
+    assert (e.complete, e.why.split(" (")[0]) == (complete, why), e.why

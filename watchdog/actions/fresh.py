@@ -1,6 +1,7 @@
 """A launch from scratch, never in silence. When no good checkpoint is found:
 
-- checkpoints on disk but none good: one ERROR line naming what each lacked,
+- checkpoints on disk but none good: one ERROR line naming each reason given, with
+  the steps it was given for,
   counted (``trainwatch_job_fresh_starts_with_checkpoints_total``, the alert
   ``TrainwatchNoGoodCheckpoint``);
 - a relaunch of a job that has reported checkpoints (taken or refused) or
@@ -33,6 +34,7 @@ log = logging.getLogger("trainwatch")
 _GLANCE_MAX = 10_000  # entries a glance reads
 _SAMPLE = 5  # names it brings back
 _GLANCE_TIMEOUT = 2.0
+_REASONS = 8  # distinct reasons said in the line
 
 
 def glance(folder: str) -> dict[str, Any]:
@@ -63,10 +65,23 @@ def _glance(r: Runner, folder: str) -> dict[str, Any]:
 
 def _none_good(r: Runner, entries: list[Entry]) -> None:
     r.events.fresh_starts.labels(r.job.name).inc()
-    said = "; ".join(f"step {e.step}: {e.why}" for e in entries[-3:][::-1])
-    log.error("job %s: %d checkpoint(s) in %s, none good (%s%s): starting from scratch",
-              r.job.name, len(entries), r.catalog.spec.dir, said,
-              "; ..." if len(entries) > 3 else "")
+    log.error("job %s: %d checkpoint(s) in %s, none good (%s): starting from scratch",
+              r.job.name, len(entries), r.catalog.spec.dir, reasons(entries))
+
+
+def reasons(entries: list[Entry]) -> str:
+    """Each reason given, newest first, with the steps it was given for."""
+    by: dict[str, list[int]] = {}
+    for e in reversed(entries):
+        by.setdefault(e.why, []).append(e.step)
+    said = []
+    for why, steps in itertools.islice(by.items(), _REASONS):
+        more = f" and {len(steps) - _SAMPLE} more" if len(steps) > _SAMPLE else ""
+        listed = ", ".join(map(str, steps[:_SAMPLE]))
+        said.append(f"step{'s' if len(steps) > 1 else ''} {listed}{more}: {why}")
+    if len(by) > _REASONS:
+        said.append(f"{len(by) - _REASONS} more reasons")
+    return "; ".join(said)
 
 
 def _had(r: Runner) -> str | None:

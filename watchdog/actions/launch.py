@@ -11,7 +11,7 @@ import signal
 import statistics
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import attemptfiles, evidence, fresh, hook, pull, rollback, verify
+from trainwatch.actions import attemptfiles, evidence, fresh, hook, pull, rollback, settle, verify
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.entry import Entry
@@ -36,6 +36,9 @@ def launch(r: Runner, reason: str) -> None:
     ready, cp = verify.checkpoint_to_use(r, wait=r.state is not JobState.BACKOFF)
     if not ready:  # its check still runs (in a thread), or its folder is unjudged: it waits
         r.relaunch_at = r.clock() + (_JUDGE_POLL if r.catalog.unjudged else _VERIFY_POLL)
+        return
+    if r.state is JobState.BACKOFF and settle.waiting(r, cp):
+        r.relaunch_at = r.clock() + _JUDGE_POLL  # the pending ones are judged once a second
         return
     if cp is None:  # none here: the newest on the job's remote store, if it has one
         pull.newest(r, reason)

@@ -139,6 +139,7 @@ class Catalog:
         # and the check a relaunch waits for (actions/verify.py).
         self.verifier = verifier
         self.checking: object = None  # an actions.verify.Check
+        self.settling_since: float | None = None  # a relaunch waits for a verdict (settle.py)
         self.refusal: str | None = None  # why the last report was refused (REFUSALS)
         self._looks, self._looked_at = LOOKS_BURST, self.clock()  # a token bucket
 

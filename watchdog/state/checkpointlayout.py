@@ -43,7 +43,8 @@ class Framework:
     def candidates(self, root: Path) -> dict[int, str]:
         return listed(root, self.impl.step_of)
 
-    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
+    def judge(self, root: Path, step: int, path: str, newer: str | None = None
+              ) -> tuple[bool, str]:
         f = self.impl.judge(path)
         if f is None:
             return False, f"not a {self.name} checkpoint"
@@ -70,10 +71,11 @@ class GenericLayout(Generic):
         super().__init__(spec.pattern, spec.marker, spec.quiet_for, clock)
         self.reports = reported
 
-    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
+    def judge(self, root: Path, step: int, path: str, newer: str | None = None
+              ) -> tuple[bool, str]:
         if self.reports.get(step) == path:
             return (True, "reported by the job") if nonempty(Path(path)) else (False, "empty")
-        return super().judge(root, step, path)
+        return super().judge(root, step, path, newer)
 
     def accepts(self, step: int, path: str) -> bool:
         return self.step_of(path) == step
@@ -118,7 +120,8 @@ class Fixed:
             return {}
         return {self._step_now()[0]: self.path}
 
-    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
+    def judge(self, root: Path, step: int, path: str, newer: str | None = None
+              ) -> tuple[bool, str]:
         now_step, vouched = self._step_now()
         if vouched and now_step == step:
             return True, f"reported at step {step}, unchanged since"
@@ -199,8 +202,9 @@ class Auto:
     def candidates(self, root: Path) -> dict[int, str]:
         return self._current(root).candidates(root)
 
-    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
-        return self._current().judge(root, step, path)  # recognised at the listing
+    def judge(self, root: Path, step: int, path: str, newer: str | None = None
+              ) -> tuple[bool, str]:
+        return self._current().judge(root, step, path, newer)  # recognised at the listing
 
     def step_of(self, path: str) -> int | None:
         return self._current().step_of(path)

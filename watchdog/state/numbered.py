@@ -17,7 +17,8 @@ never reports its checkpoints (no client), where no framework is recognised.
   where it ends by that, at once (a zip: ``torch.save`` and numpy's ``savez``,
   whose central directory is written last; safetensors, as long as its header
   says); else unchanged for ``QUIET_FOR``, so the newest entry is never taken
-  while it is still being written.
+  while it is still being written, or moved past: the next newer entry was begun
+  after its last change (ondisk.moved_past).
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from pathlib import Path
 
 from trainwatch.config import Checkpoints
 from trainwatch.layouts.base import open_regular, safetensors_file
-from trainwatch.state.ondisk import Generic, names_of, newest_mtime, nonempty
+from trainwatch.state.ondisk import (
+    Generic,
+    moved_past,
+    names_of,
+    newest_mtime,
+    nonempty,
+    settling,
+)
 
 QUIET_FOR = 60.0  # unchanged this long, with no marker and no format to read: complete
 DEFAULT_PATTERN = Checkpoints().pattern
@@ -201,28 +209,32 @@ class Numbered:
             return False, f"no marker {where.name} (the job marks the others with it)"
         return (True, f"marker {where.name}") if nonempty(path) else (False, "empty")
 
-    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
+    def judge(self, root: Path, step: int, path: str, newer: str | None = None
+              ) -> tuple[bool, str]:
         if self.explicit is not None:  # the user's marker or quiet time: as generic's
-            return self.explicit.judge(root, step, path)
+            return self.explicit.judge(root, step, path, newer)
         p = Path(path)
         marked = self._marked(p)
         if marked is not None:
             return marked
         if not p.is_dir():
-            said = _structure(path)
-            if said is not None:
-                return said
-        age = self.clock() - newest_mtime(p)
-        if age < self.quiet_for:  # the same words every second: a verdict that changes is news
-            return False, (f"changed within {self.quiet_for:g}s (complete once unchanged that "
-                           "long; --checkpoint-quiet-for, a marker or the client's report say "
-                           "so sooner)")
+            structure = _structure(path)
+            if structure is not None:
+                return structure
+        said = f"unchanged for {self.quiet_for:g}s"
+        if self.clock() - newest_mtime(p) < self.quiet_for:
+            past = moved_past(p, newer)
+            if past is None:  # the same words every second: a verdict that changes is news
+                return False, settling(self.quiet_for, (
+                    "complete once unchanged that long; --checkpoint-quiet-for, a marker or "
+                    "the client's report say so sooner"))
+            said = past
         if not nonempty(p):
             return False, "empty"
         if p.is_dir():
             for broken in self._broken_inside(p):
                 return False, broken
-        return True, f"unchanged for {self.quiet_for:g}s"
+        return True, said
 
     @staticmethod
     def _broken_inside(folder: Path) -> Iterable[str]:

@@ -48,8 +48,10 @@ class Layout(Protocol):
     def candidates(self, root: Path) -> dict[int, str]:
         """Every checkpoint under ``root``, by step (one listing, no judgement)."""
 
-    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
-        """Would the framework load it: (complete, what said so or what is missing)."""
+    def judge(self, root: Path, step: int, path: str, newer: str | None = None
+              ) -> tuple[bool, str]:
+        """Would the framework load it: (complete, what said so or what is missing).
+        ``newer``: the next newer checkpoint on disk, if any (see moved_past)."""
 
     def step_of(self, path: str) -> int | None:
         """The step of a path as this layout names it (for the job's reports)."""
@@ -106,6 +108,55 @@ def newest_mtime(path: Path) -> float:
     return newest
 
 
+def oldest_mtime(path: Path) -> float | None:
+    """When the writing of ``path`` began, as far as its files say: the oldest
+    mtime among them (a folder's own, while it holds no file)."""
+    try:
+        oldest = path.stat().st_mtime
+    except OSError:
+        return None
+    if path.is_dir():
+        times = []
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                try:
+                    times.append(os.stat(os.path.join(root, name)).st_mtime)
+                except OSError:
+                    continue
+        if times:
+            oldest = min(times)
+    return oldest
+
+
+_SETTLING = "changed within "
+
+
+def settling(quiet_for: float, more: str = "complete once unchanged that long") -> str:
+    """A verdict's why saying that only time is missing: the checkpoint is complete
+    once unchanged for the quiet time. Words, as verdicts cross from the job's
+    hand as text; is_settling() reads them back."""
+    return f"{_SETTLING}{quiet_for:g}s ({more})"
+
+
+def is_settling(why: str) -> bool:
+    """A relaunch that finds no good checkpoint but such a one waits for its verdict
+    rather than start over (actions/settle.py)."""
+    return why.startswith(_SETTLING)
+
+
+def moved_past(path: Path, newer: str | None) -> str | None:
+    """Why ``path`` is complete without waiting out the quiet time: the job moved
+    past it, beginning the next newer checkpoint after its last change (a job
+    writes one checkpoint after another; one still being written when the next
+    began is not moved past). None when it has not."""
+    if newer is None:
+        return None
+    begun = oldest_mtime(Path(newer))
+    if begun is None or not newest_mtime(path) < begun:
+        return None
+    return f"moved past (the job began {os.path.basename(newer)} after its last change)"
+
+
 def nonempty(path: Path) -> bool:
     try:
         if path.is_dir():
@@ -137,16 +188,22 @@ class Generic:
     def candidates(self, root: Path) -> dict[int, str]:
         return listed(root, self.step_of)
 
-    def judge(self, root: Path, step: int, path: str) -> tuple[bool, str]:
+    def judge(self, root: Path, step: int, path: str, newer: str | None = None
+              ) -> tuple[bool, str]:
         p = Path(path)
         if self.marker is not None:
             where = p / self.marker if p.is_dir() else Path(f"{path}{self.marker}")
             if where.exists():
                 return (True, f"marker {where.name}") if nonempty(p) else (False, "empty")
-        if self.quiet_for is not None and self.clock() - newest_mtime(p) >= self.quiet_for:
-            return (True, f"unchanged for {self.quiet_for:g}s") if nonempty(p) else (False,
-                                                                                    "empty")
-        return False, "incomplete"
+        if self.quiet_for is None:
+            return False, "incomplete"
+        said = f"unchanged for {self.quiet_for:g}s"
+        if self.clock() - newest_mtime(p) < self.quiet_for:
+            past = moved_past(p, newer)
+            if past is None:
+                return False, settling(self.quiet_for)
+            said = past
+        return (True, said) if nonempty(p) else (False, "empty")
 
 
 class OnDisk:
@@ -258,7 +315,7 @@ class OnDisk:
             path = self.paths.get(step)
             if path is None:
                 continue
-            complete, why = self.layout.judge(root, step, path)
+            complete, why = self.layout.judge(root, step, path, self._newer(step))
             if complete:
                 try:
                     self.mtimes[step] = os.stat(path).st_mtime
@@ -271,6 +328,11 @@ class OnDisk:
             if complete and step > self._newest_complete:
                 self._newest_complete = step
         return changed | self._dropped_since()
+
+    def _newer(self, step: int) -> str | None:
+        """The path of the next newer checkpoint on disk."""
+        i = bisect.bisect_right(self.steps, step)
+        return self.paths.get(self.steps[i]) if i < len(self.steps) else None
 
     def exists(self, path: str) -> bool | None:
         """Is there a file or folder at ``path`` (a link not followed)?"""
