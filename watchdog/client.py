@@ -383,7 +383,7 @@ def connect(path: str | None = None, rank: int | None = None) -> Heartbeat | Nul
 
 
 def resume_from() -> str | None:
-    """The checkpoint to resume from, or None on a fresh start (trainwatch.resume)."""
+    """The checkpoint to resume from, or None on a fresh start (trainwatch.integrations.resume)."""
     path: str | None = _resume().resume_from()
     return path
 
@@ -395,6 +395,6 @@ def skip_steps() -> tuple[int, int] | None:
 
 
 def _resume() -> ModuleType:
-    from trainwatch import resume  # stdlib only; loaded when a rank asks
+    from trainwatch.integrations import resume  # stdlib only; loaded when a rank asks
 
     return resume

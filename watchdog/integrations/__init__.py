@@ -1,5 +1,6 @@
 """Training-side integrations: plain PyTorch (``trainwatch.integrations.torch``),
-Hugging Face ``transformers`` (``.hf``) and PyTorch Lightning (``.lightning``).
+Hugging Face ``transformers`` (``.hf``) and PyTorch Lightning (``.lightning``);
+``.resume``, where a launched rank resumes (the client's resume_from(), skip_steps()).
 
 Importing this package imports no framework; each module imports its own
 framework when it is imported, so ``import trainwatch`` never pulls in torch.
