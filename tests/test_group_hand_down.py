@@ -30,5 +30,5 @@ def test_a_group_restart_waits_for_its_hand_rather_than_resume_every_rank_from_s
     [inc] = incs
     assert inc["resumed_step"] in (40, 60), (inc, out[-4000:])
     assert "resumes from scratch" not in out, out[-4000:]
-    assert "waits for the job's hand" in out, out[-4000:]
+    assert "waits: the job's hand did not answer" in out, out[-4000:]
     print(*(ln for ln in out.splitlines() if "group restart" in ln or "hand" in ln), sep="\n")

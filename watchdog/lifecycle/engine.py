@@ -46,6 +46,10 @@ class Engine(Protocol):
     def wake(self, r: Runner, now: float) -> float | None:
         """When the loop must look at the engine's part again, if it has one."""
 
+    def reported(self, r: Runner) -> None:
+        """The job reported a checkpoint new to this host: the engine's other hosts
+        are told (multihost/known.py), if it has any."""
+
     # --- a decided fault -------------------------------------------------------
     def short_of_gpus(self, r: Runner, fault: Fault, incident: int | None, fatal: bool,
                       capture: Capture | None) -> bool:

@@ -41,6 +41,9 @@ class Local:
     def wake(self, r: Runner, now: float) -> float | None:
         return None
 
+    def reported(self, r: Runner) -> None:
+        return None
+
     def short_of_gpus(self, r: Runner, fault: Fault, incident: int | None, fatal: bool,
                       capture: Capture | None) -> bool:
         left = r.gpus() or []

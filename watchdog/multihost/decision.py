@@ -27,8 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainwatch.actions import verify
-from trainwatch.multihost import records
+from trainwatch.actions import settle, verify
+from trainwatch.multihost import known, records
 from trainwatch.multihost.state import Waiting
 from trainwatch.privsep.hand import HandError
 
@@ -53,11 +53,17 @@ def make(r: Runner, g: Group, fault: Fault, incident: int | None, charged: bool,
          wall: float, onset: float) -> Made | str:
     """Restart ``g.gen + 1`` decided and recorded; or why it must wait (the hand
     did not answer)."""
-    # After a rollback's quarantine: before the anomaly. Verified when its check is
-    # quick: else a corrupt one is every round's decision until its deaths mark it bad.
+    # What the other hosts were told first (known.py): the ranks that report
+    # checkpoints may be on any host. After a rollback's quarantine: before the
+    # anomaly. Verified when its check is quick: else a corrupt one is every
+    # round's decision until its deaths mark it bad.
+    known.gather(r, None)
     cp = verify.checkpoint_now(r, _VERIFY_WITHIN)
     if r.catalog.unjudged is not None:  # the newest, perhaps every one, has no verdict
-        return f"its checkpoints are not judged ({r.catalog.unjudged})"
+        return f"the job's hand did not answer: its checkpoints are not judged " \
+               f"({r.catalog.unjudged})"
+    if settle.waiting(r, cp):  # one only time keeps from complete: never from scratch
+        return "no checkpoint is judged good yet, and the newest is being judged"
     decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
                 "at": wall, "charged": charged}
@@ -76,9 +82,10 @@ def make(r: Runner, g: Group, fault: Fault, incident: int | None, charged: bool,
 
 
 def wait(r: Runner, g: Group, w: Waiting, again: bool) -> None:
-    """Keep the workers until the hand answers; said once per restart (not ``again``)."""
+    """Keep the workers until the hand answers, or the newest checkpoint is judged;
+    said once per restart (not ``again``)."""
     if not again:
-        log.error("job %s: group restart %d waits for the job's hand: %s; its workers are "
+        log.error("job %s: group restart %d waits: %s; its workers are "
                   "kept and it is decided again every %gs (never from scratch)",
                   r.job.name, g.gen + 1, w.why, RETRY)
     g.waiting = w
@@ -89,7 +96,7 @@ def waited(r: Runner, w: Waiting, rec: records.Restart | None) -> float:
     """Said once the restart is decided after waiting; the wall time from which the
     agent's workers are of the new round (those it started meanwhile may have read no
     decision, and end too)."""
-    log.warning("job %s: group restart %s decided after %.1fs waiting for the job's hand",
+    log.warning("job %s: group restart %s decided after %.1fs waiting",
                 r.job.name, rec.gen if rec is not None else "?", r.clock() - w.since)
     return time.time()
 
@@ -104,11 +111,17 @@ def unbelieved(r: Runner, rec: records.Restart) -> str | None:
     root = r.job.checkpoints.dir
     if root is None or os.path.dirname(path) != root:
         return f"{path:.200} is not in checkpoints.dir {root}"
-    for listed in (r.catalog.known, r.catalog.entries):
-        e = next((e for e in listed() if e.step == step and e.path == path), None)
+    why = f"step {step} at {path:.200} is no checkpoint this host knows"
+    for turn in range(3):  # as listed; listed again; with what the other hosts were told
+        if turn == 2 and not known.gather(r, None):
+            break
+        listed = r.catalog.known() if turn != 1 else r.catalog.entries()
+        e = next((e for e in listed if e.step == step and e.path == path), None)
+        if e is not None and e.good:
+            return None
         if e is not None:
-            return None if e.good else f"step {step} is {e.why:.200} here"
-    return f"step {step} at {path:.200} is no checkpoint this host knows"
+            why = f"step {step} is {e.why:.200} here"
+    return why
 
 
 def followed_charged(r: Runner, g: Group, rec: records.Restart) -> bool:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from trainwatch.actions import stop as stopping
 from trainwatch.config import torchrun
 from trainwatch.local.engine import Local
-from trainwatch.multihost import group, leave
+from trainwatch.multihost import group, known, leave
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
@@ -42,6 +42,10 @@ class Torchrun(Local):
 
     def wake(self, r: Runner, now: float) -> float | None:
         return group.wake(r, now)
+
+    def reported(self, r: Runner) -> None:
+        if r.group is not None:
+            known.share(r, None)
 
     def short_of_gpus(self, r: Runner, fault: Fault, incident: int | None, fatal: bool,
                       capture: Capture | None) -> bool:

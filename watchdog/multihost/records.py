@@ -4,6 +4,8 @@ host of a multi-host job sees (training shares it anyway):
     <checkpoints.dir>/.trainwatch/restart-00000003/
         decision.json        where every rank resumes: the checkpoint, the skip window
         claim-<host>.json    each host that saw a fault of its own: what, which rank, when
+    <checkpoints.dir>/.trainwatch/known-<host>.json
+                             the checkpoints reported to each host (known.py)
     <checkpoints.dir>/.trainwatch/resume-from
                              the newest decision's checkpoint path (empty: from scratch),
                              one line, for a job without the client (as Megatron's tracker)
@@ -62,7 +64,7 @@ _NAME = re.compile(r"restart-(\d{8})")
 _CLAIM = re.compile(r"claim-([A-Za-z0-9._-]{1,64})\.json")
 _STACKS = re.compile(r"stacks-([A-Za-z0-9._-]{1,64})\.json")
 # A scope is one name in the folder: no separator, never "." or ".." (nor a
-# hidden name, such as _write's temporary files), none of the default layout's.
+# hidden name, such as write's temporary files), none of the default layout's.
 _SCOPE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,63}")
 TRACKER = "resume-from"
 MAX_NAMES = 4096  # names read from the folder per look
@@ -93,7 +95,7 @@ def folder(root: str, scope: str | None = None) -> str:
     return os.path.join(root, FOLDER, scope)
 
 
-def _write(d: str, name: str, body: dict[str, Any] | str) -> None:
+def write(d: str, name: str, body: dict[str, Any] | str) -> None:
     """Atomically: a temporary file renamed over the name, fsynced. The temporary
     name is a fresh one (mkstemp, O_EXCL): the folder is shared by every host, and
     two hosts' hands may have the same pid."""
@@ -114,7 +116,7 @@ def _write(d: str, name: str, body: dict[str, Any] | str) -> None:
         raise
 
 
-def _read(path: str) -> dict[str, Any] | None:
+def read(path: str) -> dict[str, Any] | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
@@ -161,12 +163,12 @@ def _restart(base: str, gen: int) -> dict[str, Any]:
             for e in it:
                 for pattern, into in ((_CLAIM, claims), (_STACKS, shared)):
                     if pattern.fullmatch(e.name) and len(into) < MAX_CLAIMS:
-                        c = _read(os.path.join(d, e.name))
+                        c = read(os.path.join(d, e.name))
                         if c is not None:
                             into.append(c)
     except OSError:
         pass
-    return {"gen": gen, "decision": _read(os.path.join(d, "decision.json")), "claims": claims,
+    return {"gen": gen, "decision": read(os.path.join(d, "decision.json")), "claims": claims,
             "stacks": shared}
 
 
@@ -179,7 +181,7 @@ def _make(base: str, d: str, decision: dict[str, Any]) -> bool:
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(d)}.", suffix=".tmp", dir=base)
     try:
         os.chmod(tmp, 0o755)
-        _write(tmp, "decision.json", decision)
+        write(tmp, "decision.json", decision)
         try:
             os.rename(tmp, d)  # over an empty folder only: never over another's decision
             return True
@@ -206,9 +208,9 @@ def begin_in_hand(root: str, gen: int, host: str, decision: dict[str, Any],
     won = _make(base, d, {**decision, "host": host, "gen": gen})
     if won:
         path = decision.get("resume_path")
-        _write(folder(root), TRACKER, f"{path if isinstance(path, str) else ''}\n")
+        write(folder(root), TRACKER, f"{path if isinstance(path, str) else ''}\n")
     if claim is not None:
-        _write(d, f"claim-{host}.json", {**claim, "host": host})
+        write(d, f"claim-{host}.json", {**claim, "host": host})
     return {"won": won, **_restart(base, gen)}
 
 
@@ -217,7 +219,7 @@ def claim_in_hand(root: str, gen: int, host: str, claim: dict[str, Any],
     """This host saw a fault of its own in restart ``gen``, made by another."""
     d = os.path.join(folder(root, scope), f"restart-{gen:08d}")
     if os.path.isdir(d):
-        _write(d, f"claim-{host}.json", {**claim, "host": host})
+        write(d, f"claim-{host}.json", {**claim, "host": host})
 
 
 def stacks_in_hand(root: str, gen: int, host: str, ranks: list[dict[str, Any]],
@@ -225,7 +227,7 @@ def stacks_in_hand(root: str, gen: int, host: str, ranks: list[dict[str, Any]],
     """This host's ranks' stacks (multihost/stackshare.py), taken in restart ``gen``."""
     d = os.path.join(folder(root, scope), f"restart-{gen:08d}")
     if os.path.isdir(d):
-        _write(d, f"stacks-{host}.json", {"host": host, "ranks": ranks})
+        write(d, f"stacks-{host}.json", {"host": host, "ranks": ranks})
 
 
 def newest_in_hand(root: str, after: int, scope: str | None = None) -> dict[str, Any] | None:
@@ -241,7 +243,7 @@ def decision_after(base: str, after: int) -> dict[str, Any] | None:
     gen = _newest(base, after)
     if gen is None:
         return None
-    return _read(os.path.join(base, f"restart-{gen:08d}", "decision.json"))
+    return read(os.path.join(base, f"restart-{gen:08d}", "decision.json"))
 
 
 def call(r: Holder, fn: Any, *args: Any) -> Any:
@@ -320,7 +322,7 @@ def _str(x: object, n: int = 256) -> str | None:
 _HOST = re.compile(r"[A-Za-z0-9._-]{1,64}")  # as config's host: (fields.HOST_RE)
 
 
-def _host(x: object) -> str | None:
+def host_of(x: object) -> str | None:
     """A host's name as config takes one: a record's is the user's text (a newline in
     it made a line of root's log of its own)."""
     return x if isinstance(x, str) and _HOST.fullmatch(x) else None
@@ -345,7 +347,7 @@ def _time(x: object) -> float | None:
 def _shared(raw: object) -> tuple[tuple[str, dict[str, Any]], ...]:
     out: list[tuple[str, dict[str, Any]]] = []
     for s in raw if isinstance(raw, list) else []:
-        host = _host(s.get("host")) if isinstance(s, dict) else None
+        host = host_of(s.get("host")) if isinstance(s, dict) else None
         ranks = s.get("ranks") if isinstance(s, dict) else None
         if host is not None and isinstance(ranks, list):
             out += [(host, line) for line in ranks[:64] if isinstance(line, dict)]
@@ -363,7 +365,7 @@ def parse(raw: object) -> Restart | None:
     window = None
     if isinstance(skip, list) and len(skip) == 2 and all(_int(s) is not None for s in skip):
         window = (int(skip[0]), int(skip[1]))
-    host = _host(decision.get("host")) or "?"
+    host = host_of(decision.get("host")) or "?"
     claims = [c for c in raw.get("claims") or [] if isinstance(c, dict)]
     claims = [c for c in claims if _time(c.get("at")) is not None]
     # A claim of a rank that failed because another did is no place to begin.
@@ -375,15 +377,15 @@ def parse(raw: object) -> Restart | None:
         resume_path=_str(decision.get("resume_path"), 4096),
         skip=window,
         kind=_kind(first.get("kind")) or _kind(decision.get("kind")) or "?",
-        began_host=_host(first.get("host")) or host,
+        began_host=host_of(first.get("host")) or host,
         began_rank=_int(first.get("rank")),
         began_at=_time(first.get("at")),
         charged=decision.get("charged") is not False,
         stacks=_shared(raw.get("stacks")),
-        leaves=_host(decision.get("leaves")),
-        joins=_host(decision.get("joins")),
+        leaves=host_of(decision.get("leaves")),
+        joins=host_of(decision.get("joins")),
         claims=tuple(sorted(
-            ((_host(c.get("host")) or "?", _kind(c.get("kind")) or "?",
+            ((host_of(c.get("host")) or "?", _kind(c.get("kind")) or "?",
               _int(c.get("rank")), _time(c.get("at")) or 0.0) for c in claims),
             key=lambda c: c[3])),
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainwatch.local.engine import Local
+from trainwatch.multihost import known
 from trainwatch.slurm import requeue
 from trainwatch.types import TERMINAL
 
@@ -20,6 +21,10 @@ _ATTACH_POLL = 1.0  # while the requeued job's next run has not attached
 
 
 class Slurm(Local):
+    def reported(self, r: Runner) -> None:
+        if r.job.slurm is not None:
+            known.share(r, requeue.scope(r))
+
     def short_of_gpus(self, r: Runner, fault: Fault, incident: int | None, fatal: bool,
                       capture: Capture | None) -> bool:
         return False  # the requeue drains this node: the job runs on others

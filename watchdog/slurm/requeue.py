@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from trainwatch.actions import background
 from trainwatch.actions import stop as stopping
 from trainwatch.evidence.capture import Capture
-from trainwatch.multihost import records
+from trainwatch.multihost import known, records
 from trainwatch.slurm import actions, command, node
 from trainwatch.slurm.command import Outcome, Result
 from trainwatch.slurm.stepattempt import StepAttempt
@@ -113,7 +113,8 @@ def scope(r: Runner) -> str:
 
 def decide(r: Runner, run: int, fault: Fault) -> None:
     """Where run ``run`` resumes, on every node: the last good checkpoint as this
-    node judged it (quarantine applied, verified), in the job's checkpoint
+    node judged it (quarantine applied, verified), with what the other nodes were
+    told (multihost/known.py), in the job's checkpoint
     folder, where each node's daemon reads it when that run's ranks attach. The
     first node to decide wins; a later one's decision is not written."""
     ck = r.job.checkpoints.dir
@@ -122,6 +123,7 @@ def decide(r: Runner, run: int, fault: Fault) -> None:
                     "slurm.job.checkpoints.dir): each node resumes from what it judged",
                     r.job.name)
         return
+    known.gather(r, scope(r))  # the node whose rank reports checkpoints may be another
     cp = r.catalog.last_good()
     records.call(r, records.begin_in_hand, ck, run, r.config.host,
                  {"resume_path": cp.path if cp else None, "resume_step": cp.step if cp else None,

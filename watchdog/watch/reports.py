@@ -48,9 +48,12 @@ def on_report(r: Runner, obs: CheckpointReport) -> None:
     # (one resumed from before the rollback) wrote it; not one being stopped.
     running = r.state in (JobState.STARTING, JobState.RUNNING)
     health = r.anomalies.health() if running else None
+    new = r.catalog.reported.get(obs.step) != obs.path
     if not r.catalog.report(obs.step, obs.path, replaces_quarantined=running,
                             health=health):
         refused(r, obs)  # counted by reason, the first of each said
         return
     r.checkpoints_at = 0.0  # the exporter's summary: refresh at the next tick
     log.info("job %s: checkpoint step %d complete: %s", r.job.name, obs.step, obs.path)
+    if new:
+        r.engine.reported(r)  # the other hosts are told: any may decide a restart
