@@ -17,6 +17,12 @@ TORCHRUN = ("[torchrun, --nnodes=2:4, --nproc-per-node=8, --rdzv-backend=c10d,"
 
 def _write(tmp_path: Path, job: str = "", top: str = "",
            command: str = TORCHRUN, ckpt: str = "checkpoints: {dir: ckpt}, ") -> Path:
+    """The job's PATH holds a torchrun (check-config looks its program up there)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "torchrun").write_text("#!/bin/sh\n")
+    (bin_ / "torchrun").chmod(0o755)
+    job = f"env: {{PATH: {bin_}}}, {job}"
     path = tmp_path / "trainwatch.yaml"
     path.write_text(f"{top}jobs:\n  - {{name: llama, command: {command}, {ckpt}{job}}}\n")
     return path

@@ -139,8 +139,16 @@ def cmd_clear_gpu(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
+    from trainwatch.host.jobcheck import program_problems
+
     config = load(args.file)
     names = ", ".join(j.name for j in config.jobs)
+    for j in config.jobs:  # a program that cannot start fails at every launch: one line now
+        problem, warnings = program_problems(j)
+        for w in warnings:
+            print(f"trainwatch: warning: {args.file}: {w}", file=sys.stderr)
+        if problem is not None:
+            raise ConfigError(f"{args.file}: {problem}")
     for j in config.jobs:  # a warning, not an error: the job may make it
         folder = j.checkpoints.dir
         if folder is not None and not os.path.isdir(folder):
