@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from trainwatch.detectors.gpu import HW_THERMAL_SLOWDOWN
-from trainwatch.types import GpuSample
+from trainwatch.types import Fault, GpuSample
 
 
 @dataclass
@@ -68,3 +68,9 @@ class DrillNotice:
 
     def fits(self, kind: str, now: float) -> bool:
         return self.kind == kind and now - self.at <= NOTICE_VALID
+
+    def mark(self, fault: Fault) -> Fault:
+        """The crash announced: marked injected, its onset the notice's."""
+        return dataclasses.replace(fault, onset=self.at, onset_known=True,
+                                   evidence={**fault.evidence, "source": "drill"})
+

@@ -131,6 +131,8 @@ def check(r: Runner, a: Attempt, now: float) -> bool:
             ev["peer_failure"] = blamed
         fault = Fault(FaultKind.CRASH, r.job.name, first.at, ev,
                       rank=first.rank, onset_step=r.last_step, onset_known=False)
+        if (drill := r.take_drill("crash")) is not None:  # faultinject crash --rank
+            fault = drill.mark(fault)
         from trainwatch.lifecycle import respond  # respond calls act(): one circle, at run time
 
         respond.handle(r, fault)

@@ -6,7 +6,6 @@ it goes on only once that is done."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -37,8 +36,6 @@ def check(r: Runner) -> Iterator[Finding | Finished]:
     faults = run_detectors("exit", r.view(r.clock(), exit=ProcessExit(a.pid, rc, at)))
     fault = faults[0] if faults else None
     drill = r.take_drill("crash")
-    if fault is not None and drill is not None:
-        fault = dataclasses.replace(fault, onset=drill.at, onset_known=True,
-                                    evidence={**fault.evidence, "source": "drill"})
+    fault = drill.mark(fault) if fault is not None and drill is not None else fault
     yield Finished("the job finished (exit 0)") if fault is None else Finding(fault)
     r.exit_handled = a.number  # not before: a handling that raised is tried again
