@@ -143,8 +143,11 @@ def name_rank(steps: Mapping[int, int], procs: Mapping[int, Proc],
 
 
 def _procs_evidence(procs: Mapping[int, Proc]) -> dict[str, object]:
-    return {str(r): {"pid": p.pid, "state": p.state,
-                     "cpu": None if p.cpu_rate is None else round(p.cpu_rate, 3)}
+    """By rank; a process with no rank (the launcher, a shell; keyed -pid) by its pid,
+    never as a rank of its own (a page listed torchrun's agent as rank -29047)."""
+    return {str(r) if r >= 0 else f"pid {p.pid}":
+            {"pid": p.pid, "state": p.state,
+             "cpu": None if p.cpu_rate is None else round(p.cpu_rate, 3)}
             for r, p in sorted(procs.items())}
 
 

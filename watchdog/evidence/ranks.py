@@ -44,6 +44,8 @@ def _ranks(ev: Mapping[str, Any], summary: Mapping[str, Any] | None) -> dict[int
             n = int(str(r))
         except ValueError:
             return None
+        if n < 0:  # an earlier release's key for a process with no rank (-pid)
+            return None
         return out.setdefault(n, {}) if len(out) < MAX_RANKS or n in out else None
 
     stall = as_dict(ev.get("stall"))
