@@ -419,3 +419,26 @@ def test_get_refuses_an_unknown_layout() -> None:
     """An unknown layout name is one clear ValueError naming the known ones."""
     with pytest.raises(ValueError, match="unknown checkpoint layout 'orbax'"):
         layouts.get("orbax")
+
+
+def test_checkpoints_lists_a_hf_jobs_folder_from_its_reports_when_none_is_configured(
+        hf_run: Path, tmp_path: Path) -> None:
+    """`trainwatch checkpoints JOB` post-mortem, for a job with no checkpoints.dir whose
+    Trainer callback reported its output_dir's checkpoints: they are listed from that
+    folder (it said "no checkpoints" while the live catalog had resumed from them)."""
+    import subprocess
+    import sys
+
+    ckpt = _copy(hf_run, tmp_path)
+    job = tmp_path / "state" / "jobs" / "job"
+    job.mkdir(parents=True)
+    (job / "catalog.json").write_text(json.dumps(
+        {"owner": "python train.py|step_{step}", "reported": {"4": str(ckpt / "checkpoint-4")}}))
+    r = subprocess.run([sys.executable, "-m", "trainwatch.cli", "checkpoints", "job",
+                        "--state-dir", str(tmp_path / "state")],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 0, r.stderr
+    rows = [ln.split("  /")[0].split(None, 1) for ln in r.stdout.splitlines()[2:]]
+    assert [(row[0], row[1].split("  ")[0]) for row in rows] == [
+        ("2", "good"), ("4", "good"), ("6", "last good")], r.stdout
+    assert f"the folder its checkpoints were reported in, {ckpt}" in r.stdout, r.stdout

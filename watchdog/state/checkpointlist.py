@@ -118,6 +118,14 @@ def _from_catalog_state(path: Path, owner: object) -> Checkpoints:
     return Checkpoints(dir=folder, layout=layout, pattern=pattern)
 
 
+def _reported_folder(state: object) -> str | None:
+    """The folder of the newest checkpoint the job reported, per its catalog state."""
+    reported = state.get("reported") if isinstance(state, dict) else None
+    steps = [(int(k), v) for k, v in (reported.items() if isinstance(reported, dict) else ())
+             if isinstance(k, str) and k.isdigit() and isinstance(v, str) and os.path.isabs(v)]
+    return os.path.dirname(max(steps)[1]) if steps else None
+
+
 def from_state_dir(state_dir: str, job: str, configured: Job | None) -> tuple[
         dict[str, Any], Source]:
     """The listing of ``job``'s checkpoints from ``state_dir`` with no daemon;
@@ -149,6 +157,12 @@ def from_state_dir(state_dir: str, job: str, configured: Job | None) -> tuple[
         owner = str(saved_for)
         settings = (f"catalog.json (layout {spec.layout}, pattern {spec.pattern}; --config"
                     " for the job's own)")
+    if spec.dir is None and (folder := _reported_folder(state)) is not None:
+        # No folder configured: the one its checkpoints were reported in (a Hugging
+        # Face Trainer's output_dir), as the live catalog took them.
+        spec = Checkpoints(dir=folder, layout=spec.layout, pattern=spec.pattern,
+                           marker=spec.marker, quiet_for=spec.quiet_for)
+        settings += f"; the folder its checkpoints were reported in, {folder}"
     if spec.dir is None:
         return {"job": job, "checkpoints": []}, Source(state_dir, settings)
     catalog = Catalog(spec, path, owner=owner)
