@@ -241,26 +241,31 @@ def checkpoints(row: Mapping[str, Any], job_dir: Path, where: Path | None = None
         m = state.get(k)
         return {int(s): v for s, v in m.items() if s.lstrip("-").isdigit()} if isinstance(
             m, dict) else {}
-    reported, bad, health, used = (steps_of(k) for k in ("reported", "bad", "health", "used"))
+    reported, bad, health, used, judged = (steps_of(k) for k in (
+        "reported", "bad", "health", "used", "judged"))
     rb = evidence(row).get(ROLLBACK)
     listed = rb.get("quarantined") if isinstance(rb, dict) else None
     quarantined = {q for q in listed if _int(q) is not None} if isinstance(listed, list) else set()
     resumed = row.get("resumed_step")
-    every = sorted(set(reported) | set(bad) | set(used) | quarantined)
+    every = sorted(set(reported) | set(bad) | set(used) | set(judged) | quarantined)
     centre = _int(row.get("onset_step")) or (every[-1] if every else 0)
     mine = {s for s in every if s in quarantined or s == resumed}
     near = sorted(mine | set(sorted(every, key=lambda s: abs(s - centre))[:MAX_CHECKPOINTS]))
     rows, classes = [], []
     for s in near:
         why = bad.get(s)
+        js = judged.get(s)
+        j: Mapping[str, Any] = js if isinstance(js, dict) else {}
         verdict = ("quarantined" if str(why).startswith("quarantined") else "bad") if why else (
-            "reported" if s in reported else "on disk")
+            "reported" if s in reported else "good" if j.get("good") is True
+            else "incomplete" if j else "on disk")
+        why = why or j.get("why")
         hs = health.get(s)
         h: Mapping[str, Any] = hs if isinstance(hs, dict) else {}
         notes = [*(["quarantined by this incident"] if s in quarantined else []),
                  *(["this incident's relaunch resumed here"] if s == resumed else [])]
         rows.append([s, verdict, h.get("loss"), ",".join(map(str, as_list(used.get(s)))) or "-",
-                     reported.get(s) or "-", why or "", "; ".join(notes)])
+                     reported.get(s) or j.get("path") or "-", why or "", "; ".join(notes)])
         classes.append("this" if notes else "")
     said = ("as the catalog judged them when the incident was recorded" if at_incident else
             f"as recorded now in {esc(source)} (no copy was kept with this incident)")

@@ -163,8 +163,11 @@ class Catalog:
 
     def keep(self, path: Path) -> None:
         """The catalog as it stands, written to ``path`` (an incident's folder: the
-        checkpoints as of the incident). Raises OSError, as write_json."""
-        atomic.write_json(path, self._state(), durable=False)
+        checkpoints as of the incident), with each one on disk as judged (a job
+        without reports has only those). Raises OSError, as write_json."""
+        judged = {str(e.step): {"path": e.path, "good": e.good, "why": e.why}
+                  for e in self.known()[-MAX_REPORTS:]}
+        atomic.write_json(path, {**self._state(), "judged": judged}, durable=False)
 
     def step_of(self, path: str) -> int | None:
         return self.layout.step_of(path)
