@@ -36,10 +36,15 @@ first), or None when no stack could be read for that rank.
 - or the function is one of ``GENERIC`` (``wait``, ``send``, ``recv``, ...) and
   the file is under ``torch/`` (a bare ``Condition.wait`` or
   ``Connection.recv`` is a data loader, not a collective);
+- or the function is ``_engine_run_backward`` in ``torch/autograd/``: the
+  backward pass, where DDP's reducer runs its all-reduce. Measured here: a DDP
+  rank on gloo blocked on a stopped peer shows only that frame in Python's
+  stack; natively, ``c10d::Reducer::finalize_backward``. (Before, such a rank
+  was "outside any collective" and its stopped peer no odd one out.) A rank
+  hung in its own backward is then no suspect of the stack rules while its peers
+  wait in a collective; a stopped one is named by its process state;
 - or, for native frames (``--native``), the name holds ``c10d::``, ``gloo::``
-  or ``nccl`` (case-insensitive). Measured here: a DDP rank on gloo blocked on
-  a stopped peer shows only ``_engine_run_backward (torch/autograd/graph.py)``
-  in Python frames; natively, ``c10d::Reducer::finalize_backward``.
+  or ``nccl`` (case-insensitive).
 
 ``agrees`` cross-checks the rank that the step and CPU evidence named: True
 when it is among the suspects, False when the stacks name others, None when
@@ -128,6 +133,8 @@ def _is_collective(f: Mapping[str, Any]) -> bool:
         return True
     if bare in GENERIC and any(p.startswith("torch/") or "/torch/" in p for p in paths):
         return True
+    if bare == "_engine_run_backward" and any("torch/autograd/" in p for p in paths):
+        return True  # DDP's all-reduce runs in the autograd engine, out of Python's sight
     return bool(_NATIVE.search(name))
 
 
