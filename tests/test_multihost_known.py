@@ -127,6 +127,11 @@ def _drill(tmp_path: Path, report_on: str, sig: signal.Signals, **job: object) -
         assert {e.get("group_restart") for e in evs} == {1}, (ws.root.name, evs)
     final = json.loads((tmp_path / "final.json").read_text())["w"]
     assert final == _fault_free(), (final, _fault_free())
+    if sig is signal.SIGSTOP:
+        [inc] = hosts[1].incidents()
+        ev = json.loads(inc["evidence"])
+        states = {p["state"] for p in (ev.get("processes") or {}).values()}
+        assert (inc["kind"], states) == ("hang", {"T"}), (inc, ev)
     print(f"reports to {report_on}, {sig.name} on hB: back in {back:.1f}s from step {newest}")
 
 
@@ -145,6 +150,7 @@ def test_a_crash_on_the_host_told_of_the_newest_checkpoint_resumes_every_rank_fr
 
 def test_a_stopped_rank_on_the_host_never_told_resumes_from_the_newest_checkpoint(
         tmp_path: Path) -> None:
-    """Reports to host A, SIGSTOP on host B: B names the hang and decides, from A's
-    reports. (A host of one rank names a stopped one by the heartbeat timeout.)"""
-    _drill(tmp_path, "hA", signal.SIGSTOP, heartbeat={"timeout": "3s"})
+    """Reports to host A, SIGSTOP on host B: B names its one rank, stopped, a hang
+    after the stall timeout (the default settings: the heartbeat's is 300 s), and
+    decides from A's reports."""
+    _drill(tmp_path, "hA", signal.SIGSTOP)

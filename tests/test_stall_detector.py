@@ -42,7 +42,17 @@ def test_the_stall_timeout_is_learned_within_floor_and_ceiling(p99: float | None
 
 CASES = [
     # name, ranks, procs, now, expected (kind, rank, decided_by) or None
-    ("one rank alone is a hang's business", ranks((0, 10, 0.0)), {}, 100.0, None),
+    ("one rank alone, silent, is no stall", ranks((0, 10, 0.0)), {}, 100.0, None),
+    ("one rank alone, idle, is no stall", ranks((0, 10, 0.0)), procs((0, "S", 0.0)), 100.0,
+     None),
+    ("one rank alone, in D, is no stall", ranks((0, 10, 0.0)), procs((0, "D", 0.0)), 100.0,
+     None),
+    ("one rank alone, traced (a debugger), is no stall", ranks((0, 10, 0.0)),
+     procs((0, "t", 0.0)), 100.0, None),
+    ("one rank alone, stopped, within the timeout", ranks((0, 10, 0.0)), procs((0, "T", 0.0)),
+     4.0, None),
+    ("one rank alone, stopped past the timeout, is a hang", ranks((0, 10, 0.0)),
+     procs((0, "T", 0.0)), 31.0, (FaultKind.HANG, 0, "process_state")),
     ("a rank advanced within the timeout", ranks((0, 10, 0.0), (1, 10, 96.0)), {}, 100.0, None),
     ("the rank behind the others is named", ranks((0, 11, 0.0), (1, 10, 0.0), (2, 11, 0.0)),
      {}, 6.0, (FaultKind.NCCL_STALL, 1, "step")),
@@ -148,7 +158,9 @@ def test_the_deadline_is_the_last_advance_plus_the_timeout() -> None:
     """The loop wakes exactly when a stall could first be decided."""
     v = StallView(0.0, ranks((0, 10, 3.0), (1, 10, 4.0)), 2.0)
     assert next_deadline(v, S) == 4.0 + 6.0
-    assert next_deadline(StallView(0.0, ranks((0, 1, 3.0)), 2.0), S) is None
+    # One rank alone: when a stopped one could be named (detect's _stopped_alone).
+    assert next_deadline(StallView(0.0, ranks((0, 1, 3.0)), 2.0), S) == 3.0 + 6.0
+    assert next_deadline(StallView(0.0, (), 2.0), S) is None
 
 
 SILENT = StallSettings(silence=20.0)

@@ -5,10 +5,12 @@ NIC), the others block in the next collective: every rank goes quiet at about
 the same step, and PyTorch's own watchdog waits 10 minutes before it says so.
 This decides within seconds, from what trainwatch sees of every rank:
 
-- armed once two ranks or more have beaten twice (one rank alone is a hang,
-  detectors/hang.py); it fires when no rank has advanced its step for the
+- armed once two ranks or more have beaten twice; it fires when no rank has
+  advanced its step for the
   stall timeout: ``factor`` x the p99 step time, within ``floor`` and
-  ``ceiling`` (the ceiling until the step time is learned);
+  ``ceiling`` (the ceiling until the step time is learned). One rank alone
+  (the one rank a host has of a job across hosts) is silent for its own
+  reasons: only a stopped process ('T') is a hang after that timeout;
 - which rank: the one whose process is stopped ('T'); else the one behind the
   others' step; else the one in uninterruptible sleep ('D'); else the one idle
   while the others spin; else none (the stacks may still tell, evidence/capture.py).
@@ -94,7 +96,7 @@ def _judges(v: StallView) -> list[RankView]:
 
 def next_deadline(v: StallView, s: StallSettings) -> float | None:
     judges = _judges(v)
-    if len(judges) < 2:
+    if not judges:
         return None
     return max(r.advanced_at for r in judges) + stall_timeout(v.p99, s)
 
@@ -151,8 +153,26 @@ def _procs_evidence(procs: Mapping[int, Proc]) -> dict[str, object]:
             for r, p in sorted(procs.items())}
 
 
+def _stopped_alone(job: str, v: StallView, s: StallSettings, r: RankView) -> Fault | None:
+    """One rank beating here (a host's one rank of a job across hosts, a job of one
+    process): its silence alone says nothing (a long step, an evaluation, its peers
+    on other hosts), but a process stopped (T) for the stall timeout is stuck for
+    certain. Without this a stopped one waited out the heartbeat timeout (300 s)."""
+    p, t, quiet = v.procs.get(r.rank), stall_timeout(v.p99, s), v.now - r.advanced_at
+    if p is None or p.state != "T" or quiet < t:
+        return None
+    evidence: dict[str, object] = {
+        "no_progress_for_s": round(quiet, 3), "timeout_s": round(t, 3),
+        "learned": v.p99 is not None, "steps": {str(r.rank): r.step},
+        "decided_by": "process_state", "processes": _procs_evidence(v.procs)}
+    return Fault(FaultKind.HANG, job, r.advanced_at, evidence, rank=r.rank, gpu=v.gpus.get(r.rank),
+                 onset_step=r.step)
+
+
 def detect(job: str, v: StallView, s: StallSettings) -> Fault | None:
     judges = _judges(v)
+    if len(judges) == 1:
+        return _stopped_alone(job, v, s, judges[0])
     if len(judges) < 2:
         return None
     t = stall_timeout(v.p99, s)

@@ -40,10 +40,10 @@ def _view(r: Runner, now: float, sample: bool) -> StallView:
 
 
 def _newest_advance(r: Runner) -> float | None:
-    """The last time any rank (of two or more that beat twice) advanced; None:
-    not armed. Straight from the ranks: this runs at every turn of the loop."""
+    """The last time any rank that beat twice advanced; None: not armed. Straight
+    from the ranks: this runs at every turn of the loop."""
     judges = [x.advanced_at for x in r.ranks.ranks.values() if x.beats >= 2]
-    return max(judges) if len(judges) >= 2 else None
+    return max(judges) if judges else None
 
 
 def deadline(r: Runner, now: float) -> float | None:
