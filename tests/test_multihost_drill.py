@@ -1,6 +1,7 @@
 """A drill across hosts is recorded as one: ``faultinject crash --rank`` on host B's
 rank of a 2-host torchrun job is an incident marked injected there (its onset the
-drill's notice), and the group restarts once from one checkpoint."""
+drill's notice), with the backoff the restart applied, and the group restarts once
+from one checkpoint."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def test_faultinject_crash_of_one_rank_across_hosts_is_recorded_injected(
     [inc] = b.incidents()
     assert inc["kind"] == "crash" and inc["injected"], (inc, outs[-1][-3000:])
     assert json.loads(inc["evidence"]).get("source") == "drill", inc
+    for ws in hosts:  # the backoff applied: the agents start the new round at once
+        assert [i["backoff_s"] for i in ws.incidents()] == [0.0], ws.incidents()
     for ws in hosts:
         _one_restart(ws, outs)
     final = json.loads((tmp_path / "final.json").read_text())["w"]

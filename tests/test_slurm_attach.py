@@ -258,6 +258,7 @@ def test_a_stopped_rank_is_requeued_through_slurm_and_both_nodes_resume_from_one
         [hang] = got[host]
         assert hang["kind"] == "hang", hang
         assert "requeued (restart 1)" in hang["evidence"]["slurm"], hang
+        assert hang["backoff_s"] == 0.0, hang  # the one applied: Slurm starts it at once
         resumed = {n: i[0]["resumed_step"] for n, i in got.items()}
         assert len(set(resumed.values())) == 1 and resumed[host] >= 30, got
         out = (cluster.root / "jobs" / f"{job}.out").read_text()

@@ -269,6 +269,8 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str, charged: boo
                     rec.began, where(rec))
     if not kept:
         return False
+    if incident is not None and incident >= 0:
+        r.ledger.backoff_applied(incident, 0.0)  # the agent starts the new round at once
     rounds.evidence_then_round(r, g, a, capture, rec, incident,
                                f"group restart {g.gen}: {reason}", onset, peers=True)
     return True

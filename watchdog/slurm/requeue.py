@@ -80,6 +80,8 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str,
         why = f"{fault.kind.value}: {reason}; no slurm: settings: not requeued"
     else:
         decide(r, run + 1, fault)
+        if incident is not None and incident >= 0:
+            r.ledger.backoff_applied(incident, 0.0)  # Slurm starts the next run at once
         slurm = command.for_settings(settings)
         asked = Asked(n)
         a.requeue = asked

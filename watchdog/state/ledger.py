@@ -208,6 +208,12 @@ class Ledger:
         )
 
     @_survive(None)
+    def backoff_applied(self, incident_id: int, seconds: float) -> None:
+        """The backoff the restart waited, where its engine does not wait the
+        policy's (a requeue, a round the agent starts at once)."""
+        self.db.execute("UPDATE incidents SET backoff_s=? WHERE id=?", (seconds, incident_id))
+
+    @_survive(None)
     def amend(self, incident_id: int, evidence: dict[str, Any], rank: int | None) -> None:
         """Evidence that came after the incident was recorded (the stacks taken
         before the kill); ``rank`` fills the rank only where none was named."""
