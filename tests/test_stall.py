@@ -9,20 +9,23 @@ from __future__ import annotations
 
 import json
 import shlex
+import time
 from pathlib import Path
 
 from conftest import Workspace, finish, wait_for
 from test_torchrun import _cli, _ddp
 
 
-def _stopped_rank_is_named(ws: Workspace, beat: bool) -> dict[str, object]:
+def _stopped_rank_is_named(ws: Workspace, beat: bool,
+                           silence: str | None = "10s") -> dict[str, object]:
     args = ["--steps", "150", "--interval", "0.05", "--ckpt-every", "20", "--print-every", "5"]
     job: dict[str, object] = {"command": _ddp(ws, *(["--beat"] if beat else []), *args),
                               "gpus": {"devices": [0, 1]}}
     if not beat:  # no reports: the catalog judges the files (renamed into place whole)
         # Idle for half of it decides: more than a loaded host's disk stalls every
         # rank for while they import torch, silent (a second or two seen at 4 s).
-        job["stall"] = {"silence": "10s"}
+        if silence is not None:
+            job["stall"] = {"silence": silence}
         job["checkpoints"] = {"dir": str(ws.ckpt), "pattern": "step_{step}.pt",
                               "quiet_for": "1s"}
     p = ws.run(ws.config(job, gpu={"backend": "sim", "count": 2, "kmsg": None}))
@@ -33,7 +36,10 @@ def _stopped_rank_is_named(ws: Workspace, beat: bool) -> dict[str, object]:
         wait_for(lambda: (ws.ckpt / "step_40.pt").exists(), timeout=90, what="two checkpoints")
     r = ws.faultinject("nccl-stall", "--rank", "1")
     assert r.returncode == 0, r.stderr
+    t0 = time.time()
     wait_for(lambda: ws.incidents(), timeout=60, what="the stall incident")
+    print(f"client={beat} silence={silence}: incident {ws.incidents()[0]['time'] - t0:.1f}s "
+          "after the stop")
     rc, out = finish(p, timeout=240)
     assert rc == 0, out
     incident = ws.incidents()[0]
@@ -43,6 +49,15 @@ def _stopped_rank_is_named(ws: Workspace, beat: bool) -> dict[str, object]:
     assert incident["resumed_step"] is not None and incident["resumed_step"] >= 20, incident
     assert ws.transitions()[-1] == "exited"
     return incident
+
+
+def test_a_stopped_rank_without_the_client_is_a_stall_by_default(ws: Workspace) -> None:
+    """No beats, no stall settings (silence 5 min): the stopped rank, its output silent,
+    is named by its process state within seconds, not minutes."""
+    incident = _stopped_rank_is_named(ws, beat=False, silence=None)
+    evidence = json.loads(str(incident["evidence"]))
+    assert evidence["client"] is False and evidence["decided_by"] == "process_state", evidence
+    assert evidence["stopped_for_s"] >= 5.0, evidence
 
 
 def _stacks_of_both_ranks(ws: Workspace, incident: dict[str, object]) -> None:

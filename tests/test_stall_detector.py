@@ -252,3 +252,25 @@ def test_bad_stall_and_evidence_settings_are_one_config_error(section: str, valu
     with pytest.raises(ConfigError) as e:
         from_mapping({"jobs": [{"name": "j", "command": ["x"], section: value}]}, "c.yaml")
     assert str(e.value).startswith(f"c.yaml: {where}: expected") and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("silent_for, ps, stopped_for, expected", [
+    (6.0, procs((0, "S", 0.0), (1, "T", 0.0)), {1: 5.0}, 1),  # stopped the floor: named
+    (6.0, procs((0, "S", 0.0), (1, "T", 0.0)), {1: 4.0}, None),  # not stopped long enough
+    (4.0, procs((0, "S", 0.0), (1, "T", 0.0)), {1: 5.0}, None),  # the output spoke since
+    (6.0, procs((0, "T", 0.0), (1, "T", 0.0)), {0: 6.0, 1: 6.0}, None),  # all: a pause
+    (6.0, procs((0, "R", 0.9), (1, "T", 0.0)), {1: 5.5}, 1),  # the other spins: still named
+    (6.0, procs((0, "S", 0.0), (-77, "T", 0.0)), {}, None),  # the launcher is no rank
+    (6.0, procs((0, "S", 0.0), (1, "t", 0.0)), {}, None),  # traced: a debugger's, not stuck
+])
+def test_a_stopped_rank_without_the_client_is_named_within_the_floor(
+        silent_for: float, ps: dict[int, Proc], stopped_for: dict[int, float],
+        expected: int | None) -> None:
+    """Without beats: one rank stopped at every sample for the floor (5 s), the output
+    silent as long, is a stall long before `silence` (300 s by default)."""
+    v = SilentView(100.0, silent_for, ps, 60.0, 0.0, stopped_for)
+    f = detect_silent("j", v, StallSettings())
+    assert (f.rank if f is not None else None) == expected
+    if f is not None:
+        assert f.kind is FaultKind.NCCL_STALL and f.evidence["decided_by"] == "process_state"
+        assert f.evidence["client"] is False

@@ -82,6 +82,8 @@ class SilentView:
     procs: Mapping[int, Proc]  # by rank (from RANK in its environment), or by pid (-pid)
     attempt_age: float
     quiet_for: float  # every process idle or stopped at each sample this long (stallwatch.py)
+    # Seconds each rank's process has been stopped (T) at every sample (stallwatch.py).
+    stopped_for: Mapping[int, float] = field(default_factory=dict)
 
 
 def stall_timeout(p99: float | None, s: StallSettings) -> float:
@@ -222,14 +224,35 @@ def quiet(procs: Mapping[int, Proc], idle_cpu: float) -> bool | None:
     return None
 
 
+def _stopped_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
+    """One rank's process stopped (T) at every sample for the stall floor, the
+    others not, and the output silent as long: stuck for certain, the others
+    waiting in its collective. A whole job stopped is someone's pause (the
+    silence rule judges it)."""
+    held = [r for r, t in v.stopped_for.items() if r >= 0 and t >= s.floor]
+    others = [r for r, p in v.procs.items() if r >= 0 and p.state not in ("T", "t")]
+    if len(held) != 1 or not others or v.silent_for is None or v.silent_for < s.floor:
+        return None
+    evidence: dict[str, object] = {
+        "silent_for_s": round(v.silent_for, 3),
+        "stopped_for_s": round(v.stopped_for[held[0]], 3),
+        "decided_by": "process_state",
+        "processes": _procs_evidence(v.procs),
+        "client": False,
+    }
+    return Fault(FaultKind.NCCL_STALL, job, v.now - v.silent_for, evidence, rank=held[0])
+
+
 def detect_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
     """No output for ``silence`` and no CPU from any process at every sample since
     the sampling began, half of it in (stallwatch.py): stuck. The client's absence
     is never enough on its own, nor is one idle moment (every rank of a busy,
     silent start-up waiting on a stalled disk)."""
-    if s.silence is None or v.silent_for is None or v.silent_for < s.silence:
+    if s.silence is None or v.silent_for is None:
         return None
-    if v.attempt_age < s.silence or not v.procs:
+    if (stopped := _stopped_silent(job, v, s)) is not None:
+        return stopped
+    if v.silent_for < s.silence or v.attempt_age < s.silence or not v.procs:
         return None
     if not quiet(v.procs, s.idle_cpu) or v.quiet_for < s.silence / 2:
         return None

@@ -93,13 +93,15 @@ def _check_silent(r: Runner, now: float) -> Iterator[Finding]:
         silent_for: float | None = max(0.0, time.time() - os.stat(a.log_path).st_mtime)
     except OSError:
         silent_for = None
-    if silent_for is None or silent_for < w.settings.silence / 2:
+    # Sampled from the stall floor of silence on: a stopped rank is named then.
+    if silent_for is None or silent_for < min(w.settings.floor, w.settings.silence / 2):
         w.sampled = False
         w.loud()
         return
     procs = w.sampler.sample(w.sampler.by_rank(a.tree.scan()))
     w.sampled = True
-    v = SilentView(now, silent_for, procs, now - a.started, w.quiet_for(now, procs))
+    v = SilentView(now, silent_for, procs, now - a.started, w.quiet_for(now, procs),
+                   w.stopped_for(now, procs))
     fault = stall.detect_silent(r.job.name, v, w.settings)
     if fault is not None:
         yield from _found(r, fault)

@@ -152,6 +152,7 @@ class StallWatch:
         # sample (None: one was busy, or the output spoke), and the last sample.
         self.quiet_since: float | None = None
         self.sampled_at: float | None = None
+        self.stopped_since: dict[int, float] = {}  # rank -> stopped (T) at each sample since
 
     def new_attempt(self, settings: StallSettings) -> None:
         self.settings, self.sampler, self.sampled = settings, Sampler(), False
@@ -161,6 +162,7 @@ class StallWatch:
     def loud(self) -> None:
         """The job spoke (or a new attempt began): no quiet stretch yet."""
         self.quiet_since = self.sampled_at = None
+        self.stopped_since = {}
 
     def quiet_for(self, now: float, procs: dict[int, Proc]) -> float:
         """Seconds every process has been idle or stopped, as of this sample. A
@@ -172,6 +174,13 @@ class StallWatch:
             self.quiet_since = self.sampled_at if q and self.sampled_at is not None else now
         self.sampled_at = now
         return 0.0 if self.quiet_since is None else now - self.quiet_since
+
+    def stopped_for(self, now: float, procs: dict[int, Proc]) -> dict[int, float]:
+        """Seconds each rank's process has been stopped (T) at every sample, as of
+        this one (call after quiet_for: it moves sampled_at on)."""
+        stopped = {r for r, p in procs.items() if r >= 0 and p.state == "T"}
+        self.stopped_since = {r: self.stopped_since.get(r, now) for r in stopped}
+        return {r: now - t for r, t in self.stopped_since.items()}
 
     def gpu_fault(self, fault: Fault) -> None:
         """A fault of one of the job's GPUs: it wins over a stall in its window."""
