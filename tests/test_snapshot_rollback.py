@@ -84,7 +84,7 @@ def test_rollback_to_a_local_snapshot_restores_that_step_bit_for_bit(ws: Workspa
     saved = _saved(ws, 20)
     assert sorted(saved) == [5, 10, 15, 20], saved
     wait_for(lambda: _verdicts(ws) == {5: "good", 10: "good", 15: "good", 20: "good"},
-             timeout=10, what="four good snapshots in the catalog")
+             timeout=JOB_WAIT, what="four good snapshots in the catalog")
 
     r = _tw(ws, "rollback", "job", "--to-step", "10")
     assert r.returncode == 0, r.stderr
@@ -116,7 +116,7 @@ def test_rollback_to_a_step_only_the_remote_holds_pulls_it_then_restores_it(
     saved = _saved(ws, 20)
     assert remote.steps(url) == [5, 10, 15, 20]
     wait_for(lambda: not (ws.ckpt / "snapshot-5").exists()
-             and not (ws.ckpt / "snapshot-10").exists(), timeout=10,
+             and not (ws.ckpt / "snapshot-10").exists(), timeout=JOB_WAIT,
              what="retention to delete the local snapshots 5 and 10")
     assert _verdicts(ws) == {15: "good", 20: "good"}
 
@@ -145,7 +145,7 @@ def test_rollback_to_a_step_neither_local_nor_remote_holds_is_refused_untouched(
     p = ws.run(cfg)
     _saved(ws, 20)
     wait_for(lambda: _verdicts(ws) == {5: "good", 10: "good", 15: "good", 20: "good"},
-             timeout=10, what="four good snapshots in the catalog")
+             timeout=JOB_WAIT, what="four good snapshots in the catalog")
     before = ws.status()
 
     r = _tw(ws, "rollback", "job", "--to-step", "7")
@@ -191,7 +191,7 @@ def test_a_rollback_waiting_on_the_remote_leaves_the_daemon_answering(
                                      "remote": url}})
     p = ws.run(cfg)
     saved = _saved(ws, 20)
-    wait_for(lambda: not (ws.ckpt / "snapshot-5").exists(), timeout=10,
+    wait_for(lambda: not (ws.ckpt / "snapshot-5").exists(), timeout=JOB_WAIT,
              what="retention to delete the local snapshot 5")
 
     hold.touch()
