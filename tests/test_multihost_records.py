@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from trainwatch.multihost import records
+from trainwatch.state.ledger import steps_lost
 
 
 def _decision(step: int | None = 30) -> dict[str, object]:
@@ -144,6 +145,36 @@ def test_a_victims_earlier_claim_does_not_name_where_a_restart_began(tmp_path: P
                                 {"kind": "crash", "rank": 0, "at": 100.0, "victim": False})
     rec = records.parse(got)
     assert rec is not None and rec.began == "hB rank 0"
+
+
+@pytest.mark.parametrize(("said", "reached"), [
+    ((None, None), None),  # no host told a step: unknown, not 0
+    ((40, None), 40),
+    ((40, 57), 57),  # the newest any host reached
+    ((40, "57"), 40),  # text, a bool, a negative step: not believed
+    ((True, -3), None),
+])
+def test_a_restart_reached_the_newest_step_any_claiming_host_was_told(
+        tmp_path: Path, said: tuple[object, object], reached: int | None) -> None:
+    root = str(tmp_path)
+    for host, step in zip(("hA", "hB"), said, strict=True):
+        got = records.begin_in_hand(root, 1, host, _decision(30),
+                                    {"kind": "crash", "rank": 0, "at": 100.0, "reached": step})
+    rec = records.parse(got)
+    assert rec is not None and rec.reached == reached
+
+
+@pytest.mark.parametrize(("resumed", "reached", "lost"), [
+    (30, (None, None), None),
+    (30, (35, None), 5),
+    (30, (None, 47), 17),  # this host knew no step; the group's claims did
+    (30, (35, 47), 17),
+    (None, (12,), 12),  # from scratch
+    (50, (40,), 0),  # never negative
+])
+def test_steps_lost_count_from_the_newest_step_known(
+        resumed: int | None, reached: tuple[int | None, ...], lost: int | None) -> None:
+    assert steps_lost(resumed, *reached) == lost
 
 
 def test_a_rank_that_says_its_peer_failed_is_blamed_on_the_peer(tmp_path: Path) -> None:

@@ -525,3 +525,50 @@ def test_the_restart_budget_is_slurms_restart_count(
         raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
     finally:
         cluster.cancel(job)
+
+
+def test_a_node_whose_rank_tells_no_steps_counts_the_steps_lost_from_the_other_nodes(
+        cluster: SlurmCluster, nodes: dict[str, Node], tmp_path: Path) -> None:
+    """Rank 0 beats and reports checkpoints; rank 1 runs without the client
+    (`trainwatch attach`), so its node knows no step. Rank 0 stopped (SIGSTOP):
+    its node requeues the job; both nodes record the same steps lost, counted
+    from the step rank 0 reached (rank 1's node recorded none)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (tmp_path / "train.py").write_text(TRAINER)
+    (tmp_path / "plain.py").write_text("import time\nwhile True:\n    time.sleep(0.5)\n")
+    py, run_dir = sys.executable, str(tmp_path / "{node}" / "run")
+    (tmp_path / "rank.sh").write_text(
+        f"#!/bin/sh\nif [ \"$SLURM_PROCID\" = 1 ]; then exec {py} -m trainwatch.cli attach "
+        f"-- {py} {tmp_path / 'plain.py'}; fi\nexec {py} {tmp_path / 'train.py'} {ckpt} 100000\n")
+    script = (f"#!/bin/sh\nexport TRAINWATCH_RUN_DIR='{run_dir}'\n"
+              f"export TRAINWATCH_CHECKPOINT_DIR='{ckpt}'\n"
+              f"export PYTHONPATH='{os.pathsep.join(sys.path[1:])}'\n"
+              f"srun -N2 -n2 sh {tmp_path / 'rank.sh'}\n")
+    job = cluster.sbatch(script, "-N2", "-n2")
+    name = f"slurm-{job}"
+    try:
+        host, pid = wait_for(lambda: next(((n.name, int(r["0"])) for n in nodes.values()
+                                           if (n.status(name).get("step") or 0) >= 35
+                                           and "0" in (r := n.status(name).get("ranks") or {})),
+                                          None), timeout=120, what="rank 0 past step 35")
+        os.kill(pid, signal.SIGSTOP)
+        for n in nodes.values():
+            wait_for(lambda n=n: n.status(name).get("state") in ("starting", "running")
+                     and n.status(name).get("attempt") == 1, timeout=120,
+                     what=f"{name}'s run 1 on {n.name}")
+        got = {n.name: wait_for(lambda n=n: [i for i in n.incidents(name)
+                                             if i.get("resumed_step") is not None] or None,
+                                timeout=60, what=f"{n.name}'s incident resumed")
+               for n in nodes.values()}
+        resumed = {i[0]["resumed_step"] for i in got.values()}
+        assert len(resumed) == 1 and resumed.pop() >= 30, got
+        lost = {n: i[0]["steps_lost"] for n, i in got.items()}
+        hang = got[host][0]
+        reached = max(hang["evidence"]["steps"].values())  # as the hang found it stopped
+        truth = reached - hang["resumed_step"]  # a beat may have been in flight
+        assert all(x is not None and abs(x - truth) <= 2 for x in lost.values()), (truth, lost)
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise AssertionError(f"{e}\n{_story(cluster, job, nodes)}") from None
+    finally:
+        cluster.cancel(job)

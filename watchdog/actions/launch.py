@@ -15,7 +15,7 @@ from trainwatch.actions import attemptfiles, evidence, fresh, hook, pull, rollba
 from trainwatch.actions.attempt import Attempt
 from trainwatch.sources.ranks import Ranks
 from trainwatch.state.entry import Entry
-from trainwatch.state.ledger import Relaunch
+from trainwatch.state.ledger import Relaunch, steps_lost
 from trainwatch.types import TERMINAL, JobState
 from trainwatch.watch.state import LossFeed, follow_log
 
@@ -114,10 +114,12 @@ def launch(r: Runner, reason: str) -> None:
         raise
 
 
-def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
+def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str,
+                  group_reached: int | None = None) -> None:
     """Make ``a``, started from ``cp`` (None: fresh), the runner's attempt: its
     ranks, beats and exits watched from now, STARTING, and the relaunch after a
-    fault (time to relaunch, steps lost) in the ledger and the metrics."""
+    fault (time to relaunch, steps lost: from ``group_reached`` where the other
+    nodes' ranks got further) in the ledger and the metrics."""
     if a.pidfd is not None:  # first: should it fail, the runner has not changed
         r.sel.register(a.pidfd, selectors.EVENT_READ, r.on_exit_ready)
     if r.attempt is not None:
@@ -146,8 +148,7 @@ def begin_attempt(r: Runner, a: Attempt, cp: Entry | None, reason: str) -> None:
     if r.pending_incident is not None:
         # The faulted attempt reached `reached`; this one starts over at cp. A job
         # that has never beaten has told nothing of its steps: unknown, not 0.
-        lost = None if reached is None or not r.ever_beaten \
-            else max(0, reached - (a.resumed_step or 0))
+        lost = steps_lost(a.resumed_step, reached if r.ever_beaten else None, group_reached)
         o = r.outages.outage
         if o is not None:
             name = r.job.name

@@ -68,7 +68,7 @@ def make(r: Runner, g: Group, fault: Fault, incident: int | None, charged: bool,
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
                 "at": wall, "charged": charged}
     claim = {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident,
-             "victim": "peer_failure" in fault.evidence}
+             "victim": "peer_failure" in fault.evidence, "reached": r.last_step}
     try:
         raw = records.answered(r, records.begin_in_hand, g.root, g.gen + 1, g.host,
                                decision, claim)

@@ -30,7 +30,8 @@ def _claim_own_exits(r: Runner, g: Group, a: Attempt, gen: int) -> None:
     first = r.first_failure.exits.first_failure() or own[0]
     claim = {"kind": FaultKind.CRASH.value, "rank": first.rank,
              "at": time.time() - max(0.0, r.clock() - first.at),
-             "victim": victim.peer_blamed(a.log_path, g.log_from, first.rank) is not None}
+             "victim": victim.peer_blamed(a.log_path, g.log_from, first.rank) is not None,
+             "reached": r.last_step}
     records.call(r, records.claim_in_hand, g.root, gen, g.host, claim)
 
 

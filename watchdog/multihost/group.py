@@ -285,7 +285,8 @@ def _part_of_last(r: Runner, g: Group, a: Attempt, fault: Fault, incident: int |
     a start that always fails still spends the budget."""
     g.absorbed += 1
     records.call(r, records.claim_in_hand, g.root, g.gen, g.host,
-          {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident})
+          {"kind": fault.kind.value, "rank": fault.rank, "at": onset, "incident": incident,
+           "reached": r.last_step})
     if charged and r.history.restarts:
         r.history.restarts.pop()  # decide() granted it last
     if incident is not None and incident >= 0:

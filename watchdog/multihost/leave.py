@@ -100,7 +100,8 @@ def leave(r: Runner, fault: Fault, incident: int | None) -> str | None:
     decision = {"resume_step": cp.step if cp else None, "resume_path": cp.path if cp else None,
                 "skip": list(r.skip[:2]) if r.skip else None, "kind": fault.kind.value,
                 "at": wall, "charged": True, "leaves": g.host}
-    claim = {"kind": fault.kind.value, "rank": None, "at": onset, "incident": incident}
+    claim = {"kind": fault.kind.value, "rank": None, "at": onset, "incident": incident,
+             "reached": r.last_step}
     raw = records.call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
     rec = records.parse(raw)
     if rec is None:
@@ -240,7 +241,8 @@ def _join(r: Runner, out: Out, res: preflight.Result) -> None:
         fault, Action.RESTART.value,
         f"group restart {g.gen + 1}: {g.host} joins the group again: its pre-flight "
         f"passed ({res.detail}); not charged", max(r.number, 0), None)
-    claim = {"kind": out.kind, "rank": None, "at": wall, "incident": incident}
+    claim = {"kind": out.kind, "rank": None, "at": wall, "incident": incident,
+             "reached": r.last_step}
     raw = records.call(r, records.begin_in_hand, g.root, g.gen + 1, g.host, decision, claim)
     rec = records.parse(raw)
     if rec is None:

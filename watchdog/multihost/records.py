@@ -303,6 +303,9 @@ class Restart:
     claims: tuple[tuple[str, str, int | None, float], ...] = ()
     # Every host's shared stack lines (host, line), as stackshare.judge takes them.
     stacks: tuple[tuple[str, dict[str, Any]], ...] = ()
+    # The newest step any claiming host's ranks had reached: steps lost are counted
+    # from it on every host (a host whose rank stopped early counted from its own).
+    reached: int | None = None
 
     def claimed(self) -> list[dict[str, object]]:
         """The claims as an incident records them."""
@@ -384,6 +387,8 @@ def parse(raw: object) -> Restart | None:
         stacks=_shared(raw.get("stacks")),
         leaves=host_of(decision.get("leaves")),
         joins=host_of(decision.get("joins")),
+        reached=max((n for c in claims if (n := _int(c.get("reached"))) is not None),
+                    default=None),
         claims=tuple(sorted(
             ((host_of(c.get("host")) or "?", _kind(c.get("kind")) or "?",
               _int(c.get("rank")), _time(c.get("at")) or 0.0) for c in claims),

@@ -19,7 +19,7 @@ from trainwatch.multihost import records, stackshare
 from trainwatch.multihost.state import Pending
 from trainwatch.sources.rankexits import rank_processes
 from trainwatch.sources.ranks import Ranks
-from trainwatch.state.ledger import Relaunch
+from trainwatch.state.ledger import Relaunch, steps_lost
 from trainwatch.types import JobState
 from trainwatch.watch.state import LossFeed
 
@@ -149,6 +149,6 @@ def new_round(r: Runner, a: Attempt, rec: records.Restart | None, incident: int 
     r.outages.started(now)
     r.to(JobState.STARTING, reason)
     if incident is not None and incident >= 0:
-        lost = None if reached is None else max(0, reached - (step or 0))
+        lost = steps_lost(step, reached, rec.reached if rec else None)
         r.ledger.relaunched(incident, Relaunch(time.time(), rec.resume_path if rec else None,
                                                step, lost))

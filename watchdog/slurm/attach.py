@@ -130,12 +130,14 @@ def join(r: Runner, proven: Proven, slurm: Slurm) -> StepAttempt | None:
     r.number = proven.restarts
     cp = r.catalog.last_good()
     path, step = (cp.path, cp.step) if cp is not None else (None, None)
+    reached = None
     if (rec := requeue.decided(r, proven.restarts)) is not None:  # every node's choice
+        reached = rec.reached
         path, step = rec.resume_path, rec.resume_step
         cp = next((e for e in r.catalog.known() if e.step == step and e.path == path), None)
     rings = ring_folder(r, proven)
     a = StepAttempt.attach(r.job, proven, path, step, rings, slurm)
-    begin_attempt(r, a, cp, "attached")
+    begin_attempt(r, a, cp, "attached", reached)
     return a
 
 

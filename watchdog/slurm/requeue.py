@@ -19,6 +19,7 @@ and the job is left to Slurm (FATAL here): never a retry loop.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,7 @@ def act(r: Runner, fault: Fault, incident: int | None, reason: str,
     budget = r.policy.max_restarts
     if a.returncode is not None:  # ended: Slurm's own handling, recorded here
         why = f"{fault.kind.value}: {reason}; Slurm ended run {run}: its next run attaches"
+        claim(r, run + 1, fault)  # the steps this node's ranks reached, for every node
     elif run >= budget:  # Slurm's restart count, the one every node agrees on
         why = (f"{fault.kind.value}: not requeued: Slurm requeued job {job} {run} times "
                f"already (max_restarts {budget})")
@@ -129,7 +131,20 @@ def decide(r: Runner, run: int, fault: Fault) -> None:
     cp = r.catalog.last_good()
     records.call(r, records.begin_in_hand, ck, run, r.config.host,
                  {"resume_path": cp.path if cp else None, "resume_step": cp.step if cp else None,
-                  "kind": fault.kind.value}, None, scope(r))
+                  "kind": fault.kind.value}, _claim(r, fault), scope(r))
+
+
+def _claim(r: Runner, fault: Fault) -> dict[str, object]:
+    return {"kind": fault.kind.value, "rank": fault.rank, "at": time.time(),
+            "reached": r.last_step}
+
+
+def claim(r: Runner, run: int, fault: Fault) -> None:
+    """This node's part of run ``run``'s decision, which another node made: the
+    step its ranks reached, from which every node counts the steps lost."""
+    if (ck := r.job.checkpoints.dir) is not None and run > 0:
+        records.call(r, records.claim_in_hand, ck, run, r.config.host,
+                     {**_claim(r, fault), "victim": True}, scope(r))
 
 
 def decided(r: Runner, run: int) -> records.Restart | None:

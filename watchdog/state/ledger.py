@@ -79,6 +79,13 @@ class Relaunch:
     steps_lost: int | None
 
 
+def steps_lost(resumed: int | None, *reached: int | None) -> int | None:
+    """Steps redone from ``resumed``: counted from the newest step reached that
+    anyone knows (this host's ranks, the group's claims); None when none is known."""
+    known = [s for s in reached if s is not None]
+    return max(0, max(known) - (resumed or 0)) if known else None
+
+
 def _survive(default: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A failed write (disk full, I/O error, a value SQLite cannot bind) is
     logged, counted and survived: losing a ledger row is better than a
