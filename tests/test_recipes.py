@@ -9,10 +9,12 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
-from conftest import Workspace, missing
+from conftest import Workspace, missing, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -55,6 +57,19 @@ def test_the_docs_have_a_recipe_per_framework() -> None:
     assert set(recipes()) == set(DRILL)
 
 
+def _as_written(ws: Workspace, name: str, out: Path) -> list[str]:
+    """The recipe's `trainwatch run` line, with this workspace's folders."""
+    cmd: list[str] = [str(BIN / "trainwatch"), "run", "--state-dir", str(ws.state),
+                      "--run-dir", str(ws.root / "run"), "--metrics-port", "0",
+                      "--no-passthrough", "--backoff", "0s"]
+    for a in recipes()[name][2:]:
+        a = {"python": sys.executable, "torchrun": str(BIN / "torchrun")}.get(a, a)
+        if a.startswith("examples/"):
+            a = str(ROOT / a)
+        cmd.append(str(out) + a[3:] if a == "out" or a.startswith("out/") else a)
+    return cmd
+
+
 @pytest.mark.parametrize("name", sorted(DRILL))
 def test_recipe_crashed_once_resumes_from_its_newest_good_checkpoint(ws: Workspace,
                                                                     name: str) -> None:
@@ -62,17 +77,8 @@ def test_recipe_crashed_once_resumes_from_its_newest_good_checkpoint(ws: Workspa
     for module in ("torch", *NEEDS.get(name, ())):
         if importlib.util.find_spec(module) is None:
             missing(f"{module} is not installed (make test installs the dev extra)")
-    argv = recipes()[name]
     out = ws.root / "out"
-    cmd: list[str] = [str(BIN / "trainwatch"), "run", "--state-dir", str(ws.state),
-                      "--run-dir", str(ws.root / "run"), "--metrics-port", "0",
-                      "--no-passthrough", "--backoff", "0s"]
-    for a in argv[2:]:
-        a = {"python": sys.executable, "torchrun": str(BIN / "torchrun")}.get(a, a)
-        if a.startswith("examples/"):
-            a = str(ROOT / a)
-        cmd.append(str(out) + a[3:] if a == "out" or a.startswith("out/") else a)
-    cmd += DRILL[name]
+    cmd = _as_written(ws, name, out) + DRILL[name]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     events = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines()]
@@ -103,3 +109,38 @@ def test_bad_checkpoint_and_policy_flags_are_one_line(tmp_path: Path, flags: lis
     assert r.returncode == 2, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and said in r.stderr, r.stderr
     assert not (tmp_path / "s" / "ledger.db").exists()
+
+
+def test_the_no_client_recipe_with_rank_1_killed_10s_after_a_checkpoint_resumes_from_it(
+        ws: Workspace) -> None:
+    """The no-client recipe as written, default settings (quiet_for 60 s): a
+    checkpoint every 14 s or so, rank 1 SIGKILLed 10 s after step_25.pt was
+    written, so that no checkpoint is 60 s unchanged and none newer is begun. It
+    resumes from step_25 (no older than one interval before the newest), never
+    from scratch, and trains to its end."""
+    out = ws.root / "out"
+    cmd = [*_as_written(ws, "plain_train", out),
+           "--steps", "60", "--ckpt-every", "25", "--step-time", "0.55"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ckpt = out / "ckpt" / "step_25.pt"
+    try:
+        # The drill's own terms: 10 s after the checkpoint's last write (the next is
+        # 14 s of sleeps away, later still on a busy machine).
+        wait_for(lambda: ckpt.exists() and time.time() - ckpt.stat().st_mtime >= 10,
+                 timeout=120, what="step_25.pt 10 s old")
+        rank1 = next(c for c in psutil.Process(p.pid).children(recursive=True)
+                     if c.environ().get("RANK") == "1")
+        rank1.kill()
+        newest = max(int(f.stem[5:]) for f in (out / "ckpt").glob("step_*.pt"))
+        said, _ = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, said[-3000:]
+    assert "starting from scratch" not in said and "none good" not in said, said[-3000:]
+    (incident,) = ws.incidents()
+    assert newest == 25 and incident["resumed_step"] == 25, (newest, incident)
+    events = [json.loads(x) for x in (out / "progress.jsonl").read_text().splitlines()]
+    assert [e["first_step"] for e in events if e["event"] == "start"] == [1, 26], events
+    assert [e["last_step"] for e in events if e["event"] == "end"] == [60], events
