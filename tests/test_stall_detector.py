@@ -261,6 +261,11 @@ def test_bad_stall_and_evidence_settings_are_one_config_error(section: str, valu
     (6.0, procs((0, "T", 0.0), (1, "T", 0.0)), {0: 6.0, 1: 6.0}, None),  # all: a pause
     (6.0, procs((0, "R", 0.9), (1, "T", 0.0)), {1: 5.5}, 1),  # the other spins: still named
     (6.0, procs((0, "S", 0.0), (-77, "T", 0.0)), {}, None),  # the launcher is no rank
+    # A host's one rank of a job across hosts, its launcher running: its peers wait on
+    # other hosts. Launcher and rank both stopped: a pause. One process alone: stuck.
+    (6.0, procs((0, "T", 0.0), (-77, "S", 0.0)), {0: 5.0}, 0),
+    (6.0, procs((0, "T", 0.0), (-77, "T", 0.0)), {0: 6.0}, None),
+    (6.0, procs((0, "T", 0.0)), {0: 5.0}, 0),
     (6.0, procs((0, "S", 0.0), (1, "t", 0.0)), {}, None),  # traced: a debugger's, not stuck
 ])
 def test_a_stopped_rank_without_the_client_is_named_within_the_floor(

@@ -227,11 +227,14 @@ def quiet(procs: Mapping[int, Proc], idle_cpu: float) -> bool | None:
 def _stopped_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
     """One rank's process stopped (T) at every sample for the stall floor, the
     others not, and the output silent as long: stuck for certain, the others
-    waiting in its collective. A whole job stopped is someone's pause (the
-    silence rule judges it)."""
+    waiting in its collective (on this host or on others: a host's one rank of a
+    job across hosts, its launcher running). A whole job stopped is someone's
+    pause (the silence rule judges it); a job of one process stopped is stuck, as
+    it is with the client (a hang)."""
     held = [r for r, t in v.stopped_for.items() if r >= 0 and t >= s.floor]
-    others = [r for r, p in v.procs.items() if r >= 0 and p.state not in ("T", "t")]
-    if len(held) != 1 or not others or v.silent_for is None or v.silent_for < s.floor:
+    if len(held) != 1 or v.silent_for is None or v.silent_for < s.floor:
+        return None
+    if len(v.procs) > 1 and all(p.state in ("T", "t") for p in v.procs.values()):
         return None
     evidence: dict[str, object] = {
         "silent_for_s": round(v.silent_for, 3),
@@ -240,7 +243,11 @@ def _stopped_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
         "processes": _procs_evidence(v.procs),
         "client": False,
     }
-    return Fault(FaultKind.NCCL_STALL, job, v.now - v.silent_for, evidence, rank=held[0])
+    # From when it was first seen stopped: the silence may have begun before the
+    # workers did (a job that never printed), and a group's round ends only the
+    # workers started before the onset (multihost/rounds.py).
+    return Fault(FaultKind.NCCL_STALL, job, v.now - v.stopped_for[held[0]], evidence,
+                 rank=held[0])
 
 
 def detect_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
@@ -265,4 +272,7 @@ def detect_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
         "processes": _procs_evidence(v.procs),
         "client": False,
     }
-    return Fault(FaultKind.NCCL_STALL, job, v.now - v.silent_for, evidence, rank=rank)
+    # Idle at every sample since quiet_for: a worker starts busy (its imports), so
+    # this is no earlier than the newest worker's start; the silence may be.
+    return Fault(FaultKind.NCCL_STALL, job, v.now - min(v.silent_for, v.quiet_for), evidence,
+                 rank=rank)

@@ -173,7 +173,7 @@ def _group(row: dict[str, Any]) -> list[str]:
     if not isinstance(gen, int):
         return []
     out = [f"group restart {gen}: began on {ev.get('began', '?')}, decided by "
-           f"{ev.get('decided_by', '?')}{'' if ev.get('charged', True) else ', not charged'}"]
+           f"{ev.get('decided_on', '?')}{'' if ev.get('charged', True) else ', not charged'}"]
     claims = ev.get("claims")
     for c in claims if isinstance(claims, list) else []:
         if isinstance(c, dict):

@@ -65,7 +65,7 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
             onset_step=r.last_step, onset_known=False))
         return
     fault = Fault(kind, r.job.name, now, {"group_restart": rec.gen, "began": rec.began,
-                                          "decided_by": rec.host, "followed": True,
+                                          "decided_on": rec.host, "followed": True,
                                           "claims": rec.claimed(), **leave.evidence(r, rec)},
                   onset_step=r.last_step, onset_known=False)
     if r.observing:

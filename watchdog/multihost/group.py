@@ -199,7 +199,8 @@ def held(r: Runner, fault: Fault, now: float) -> bool:
         return True  # that exit's crash, judged within UNKNOWN_GRACE (check()), not a hang
     if r.job.nodes is not None and r.job.nodes[1] <= 1:
         return False  # nodes: 1, a torchrun job on one host: no other host to wait for
-    if stopped_ranks(r.ranks.pids()):
+    # Without the client, the ranks are the processes found by their RANK (stallwatch).
+    if stopped_ranks(r.ranks.pids()) or stopped_ranks({p: p for p in r.stall.sampler.ranks}):
         return False
     if g.held_since is None:
         g.held_since = now
@@ -312,7 +313,7 @@ def _amend(r: Runner, incident: int | None, rec: records.Restart, won: bool) -> 
         from trainwatch.multihost import leave
 
         r.ledger.amend(incident, {"group_restart": rec.gen, "began": rec.began,
-                                  "decided_by": rec.host, "decided_here": won,
+                                  "decided_on": rec.host, "decided_here": won,
                                   "charged": rec.charged, "claims": rec.claimed(),
                                   **leave.evidence(r, rec)}, None)
         assert r.group is not None

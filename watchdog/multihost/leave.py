@@ -270,7 +270,7 @@ def follow_join(r: Runner, rec: records.Restart, now: float) -> None:
     except ValueError:
         kind = FaultKind.GPU_XID
     fault = Fault(kind, r.job.name, now, {"group_restart": rec.gen, "joins": rec.joins,
-                                          "decided_by": rec.host, "followed": True,
+                                          "decided_on": rec.host, "followed": True,
                                           "charged": False, "claims": rec.claimed()},
                   onset_step=r.last_step, onset_known=False)
     a = r.attempt

@@ -93,8 +93,9 @@ def _check_silent(r: Runner, now: float) -> Iterator[Finding]:
         silent_for: float | None = max(0.0, time.time() - os.stat(a.log_path).st_mtime)
     except OSError:
         silent_for = None
-    # Sampled from the stall floor of silence on: a stopped rank is named then.
-    if silent_for is None or silent_for < min(w.settings.floor, w.settings.silence / 2):
+    # Sampled from a second of silence on, as the ranks of a job with the client
+    # are: a stopped rank is named at the floor after its stop, not after twice it.
+    if silent_for is None or silent_for < min(_SAMPLE_AFTER, w.settings.silence / 2):
         w.sampled = False
         w.loud()
         return

@@ -1,0 +1,85 @@
+"""A job across hosts without the client (no beats): two "hosts" on this machine
+(two trainwatch processes, one torchrun agent each, one rank per host), default
+stall settings. Host B's one rank stopped (SIGSTOP): B sees it stopped, the
+others (its launcher here, host A's rank) not, and the output silent, so B names
+it within the stall floor; A's rank, blocked in the all-reduce, tells nothing.
+Host B decides the group's restart (the right host first) and every rank
+resumes from a checkpoint found in the folder by its name, within one interval
+of the newest."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from conftest import Workspace, free_port, wait_for
+from test_multihost_group import _journal, _stop
+from test_multihost_known import _TRAINER, EVERY, KILL_AT, STEPS
+
+# The same trainer, never connected: no beats, no reports.
+_NO_CLIENT = (_TRAINER.replace("hb = connect()\n", "")
+              .replace("    hb.beat(step)\n", "")
+              .replace("        hb.checkpoint(step, d)\n", ""))
+
+
+def test_a_stopped_rank_of_a_job_across_hosts_without_the_client_is_named_by_its_host(
+        tmp_path: Path) -> None:
+    assert "hb." not in _NO_CLIENT
+    ckpt, journal = tmp_path / "ckpt", tmp_path / "journal.jsonl"
+    ckpt.mkdir()
+    script = tmp_path / "trainer.py"
+    script.write_text(_NO_CLIENT)
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-id=tw-noclient", "--monitor-interval=0.1", str(script), str(ckpt),
+               str(journal), str(STEPS), str(EVERY)]
+    hosts = []
+    for name in ("hA", "hB"):
+        ws = Workspace(tmp_path / name)
+        ws.root.mkdir()
+        hosts.append(ws)
+        ws.run(ws.config({"command": command, "nodes": 2, "resume_args": [],
+                          "env": {"REPORT_ON": "hA", "PAUSE_AT": str(KILL_AT)},
+                          "checkpoints": {"dir": str(ckpt), "pattern": "step_{step}"}},
+                         host=name))
+    newest = KILL_AT // EVERY * EVERY
+    try:
+        paused = tmp_path / "paused"
+        wait_for(lambda: paused.exists(), timeout=120, what=f"host B's rank at step {KILL_AT}")
+        victim = int(paused.read_text())
+        os.kill(victim, signal.SIGSTOP)
+        t0, w0 = time.monotonic(), time.time()
+        [inc] = wait_for(lambda: hosts[1].incidents() or None, timeout=120,
+                         what="host B's incident")
+        named = inc["time"] - w0
+        wait_for(lambda: len(_journal(journal)) >= 4, timeout=120,
+                 what="every rank to start again")
+        back = time.monotonic() - t0
+        wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
+                 what="the run to finish")
+    finally:
+        outs = _stop(hosts)
+    story = [o[-4000:] for o in outs]
+    runs = _journal(journal)
+    # step_40 was renamed into place a moment before the stop: with nothing to say it
+    # is complete, it is judged after quiet_for; step_30, which the job moved past, is.
+    starts = [e["start"] for e in runs]
+    assert starts[:2] == [0, 0] and starts[2:] in ([newest] * 2, [newest - EVERY] * 2), \
+        (runs, *story)
+    rank = next(e["rank"] for e in runs if e["pid"] == victim)  # as the rendezvous gave it
+    ev = json.loads(inc["evidence"])
+    assert (inc["kind"], inc["rank"], ev.get("decided_by"), ev.get("client")) == \
+        ("nccl_stall", rank, "process_state", False), (inc, ev, *story)
+    for ws in hosts:
+        evs = [json.loads(i["evidence"]) for i in ws.incidents()]
+        assert {e.get("group_restart") for e in evs} == {1}, (ws.root.name, evs, *story)
+        # Host B decided, and the restart began at its rank: the right host first.
+        assert {(e.get("decided_on"), e.get("began")) for e in evs} == \
+            {("hB", f"hB rank {rank}")}, (ws.root.name, evs, *story)
+    print(f"no client, SIGSTOP on hB: named {named:.1f}s, back in {back:.1f}s "
+          f"from step {starts[2]}")
