@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from trainwatch.detectors.stall import (
+    IDLE_IO,
     Proc,
     SilentView,
     StallSettings,
@@ -197,6 +198,19 @@ def test_silence_and_idle_cpu_stand_in_for_the_client(silent_for: float | None,
     if f is not None:
         assert f.kind is FaultKind.NCCL_STALL and f.rank == expected
         assert f.evidence["client"] is False
+
+
+@pytest.mark.parametrize("io, fires", [
+    (8 * 1024 * 1024.0, False),  # a checkpoint going to a slow disk at 0.01 cores: working
+    (IDLE_IO, False),
+    (IDLE_IO - 1, True),  # a trickle (a metrics thread): idle
+    (0.0, True),
+    (None, True),  # not readable: its CPU alone says
+])
+def test_a_rank_moving_bytes_is_working_whatever_its_cpu(io: float | None, fires: bool) -> None:
+    ps = {0: Proc(1000, "S", 0.01, io), 1: Proc(1001, "S", 0.0, 0.0)}
+    f = detect_silent("j", SilentView(1e4, 400.0, ps, 1e4, 400.0), StallSettings())
+    assert (f is not None) == fires
 
 
 def test_silence_is_on_by_default_at_five_minutes() -> None:

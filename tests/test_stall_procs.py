@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 from conftest import wait_for
-from trainwatch.detectors.stall import SilentView, StallSettings, detect_silent
+from trainwatch.detectors.stall import IDLE_IO, SilentView, StallSettings, detect_silent
 from trainwatch.sources.procs import Sampler
 
 # Stands in for a torchrun worker: forked without RANK, then exec'd with it.
@@ -93,3 +93,34 @@ def test_a_process_that_went_busy_since_its_last_rate_is_not_taken_for_idle() ->
     finally:
         p.kill()
         p.wait()
+
+
+
+# Writes a MiB every 50 ms with next to no CPU: a checkpoint going to a slow disk.
+WRITER = ("import sys, time\nf = open('/dev/null', 'wb', buffering=0)\nsys.stdout.write('go\\n')\n"
+          "sys.stdout.flush()\nwhile True:\n    f.write(bytes(1 << 20))\n    time.sleep(0.05)\n")
+
+
+def test_a_process_writing_at_little_cpu_moves_bytes_and_a_sleeper_none() -> None:
+    """The sampler's I/O rate (rchar + wchar), which makes a writer working for the
+    silence rule whatever its CPU (tests/test_stall_detector.py)."""
+    writer = subprocess.Popen([sys.executable, "-c", WRITER], stdout=subprocess.PIPE)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == b"go\n"
+        now = [0.0]
+        s = Sampler(clock=lambda: now[0])
+        pids = {0: writer.pid, 1: sleeper.pid}
+        s.sample(pids)
+
+        def rates() -> dict[int, float] | None:
+            now[0] += 1.0  # a rate over one second of the sampler's clock
+            got = {k: p.io_rate for k, p in s.sample(pids).items()}
+            return got if (got.get(0) or 0) >= IDLE_IO else None
+
+        got = wait_for(rates, timeout=30, what="the writer's I/O rate")
+        assert got[1] == 0.0, got
+    finally:
+        for p in (writer, sleeper):
+            p.kill()
+            p.wait()

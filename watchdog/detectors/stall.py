@@ -39,6 +39,10 @@ from dataclasses import dataclass, field
 from trainwatch.types import Fault, FaultKind, RankView
 
 STOPPED = frozenset({"T", "t", "D"})  # stopped, traced, uninterruptible sleep
+# Bytes per second of I/O at which a process is working, whatever its CPU: a rank
+# writing a checkpoint to a slow file system (measured: 10 minutes of it at 0.01
+# cores would have been a stall at the silence). A stuck one moves nothing.
+IDLE_IO = 64 * 1024.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,9 @@ class Proc:
     pid: int
     state: str  # /proc's letter: R S D T t Z
     cpu_rate: float | None  # cores used since the previous sample; None: one sample only
+    # Bytes read and written (any file, pipe or socket) per second since then; None:
+    # not known. A checkpoint written to a slow file system uses little CPU.
+    io_rate: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,12 +115,16 @@ def next_deadline(v: StallView, s: StallSettings) -> float | None:
 # through: sources/procs.py), and a job starting up or winding down looked stuck.
 def _idle(p: Proc | None, idle_cpu: float) -> bool:
     return (p is not None and p.state != "R" and p.cpu_rate is not None
-            and p.cpu_rate < idle_cpu)
+            and p.cpu_rate < idle_cpu and not _moving(p))
 
 
 def _busy(p: Proc | None, idle_cpu: float) -> bool:
-    return p is not None and (p.state == "R" or (p.cpu_rate is not None
-                                                 and p.cpu_rate >= idle_cpu))
+    return p is not None and (p.state == "R" or _moving(p) or (p.cpu_rate is not None
+                                                               and p.cpu_rate >= idle_cpu))
+
+
+def _moving(p: Proc) -> bool:
+    return p.io_rate is not None and p.io_rate >= IDLE_IO
 
 
 def name_rank(steps: Mapping[int, int], procs: Mapping[int, Proc],

@@ -1,6 +1,8 @@
-"""The job's processes as the stall detector sees them: each one's state letter
-and the CPU it used since the previous sample (utime + stime from
-/proc/<pid>/stat through psutil), and, for a job without the client, which
+"""The job's processes as the stall detector sees them: each one's state letter,
+the CPU it used since the previous sample (utime + stime from /proc/<pid>/stat
+through psutil) and the bytes it read and wrote (/proc/<pid>/io's rchar and
+wchar: a rank writing a checkpoint to a slow file system is working at little
+CPU), and, for a job without the client, which
 rank each process is (torchrun puts ``RANK`` in every worker's environment)."""
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class Sampler:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
-        self.prev: dict[int, tuple[float, float, float | None]] = {}  # pid -> (at, cpu s, rate)
+        # pid -> (at, cpu s, cpu rate, I/O bytes, I/O rate)
+        self.prev: dict[int, tuple[float, float, float | None, int | None, float | None]] = {}
         self.ranks: dict[int, int] = {}  # pid -> RANK from its environment, once found
         self.no_rank: dict[int, tuple[float, int]] = {}  # pid -> (ask again at, asked)
 
@@ -38,7 +41,7 @@ class Sampler:
         """``pids``: key (a rank) -> pid. A process that is gone is left out."""
         now = self.clock()
         out: dict[int, Proc] = {}
-        seen: dict[int, tuple[float, float, float | None]] = {}
+        seen: dict[int, tuple[float, float, float | None, int | None, float | None]] = {}
         for key, pid in pids.items():
             try:
                 p = psutil.Process(pid)
@@ -47,16 +50,19 @@ class Sampler:
                     t = p.cpu_times()
             except psutil.Error:
                 continue
-            cpu = t.user + t.system
+            cpu, moved = t.user + t.system, _io_bytes(p)
             before = self.prev.get(pid)
-            rate = None
+            rate = io_rate = None
             if before is not None and now - before[0] < _BASE_MIN:
-                seen[pid], rate = before, before[2]  # too soon for a rate of its own
+                seen[pid] = before  # too soon for a rate of its own
+                rate, io_rate = before[2], before[4]
             else:
                 if before is not None and now - before[0] <= _BASE_MAX:
                     rate = max(0.0, cpu - before[1]) / (now - before[0])
-                seen[pid] = (now, cpu, rate)
-            out[key] = Proc(pid, state, rate)
+                    if moved is not None and before[3] is not None:
+                        io_rate = max(0, moved - before[3]) / (now - before[0])
+                seen[pid] = (now, cpu, rate, moved, io_rate)
+            out[key] = Proc(pid, state, rate, io_rate)
         self.prev = seen
         return out
 
@@ -90,3 +96,14 @@ class Sampler:
             key = rank if rank is not None and rank not in keyed else -pid
             keyed[key] = pid
         return keyed
+
+
+def _io_bytes(p: psutil.Process) -> int | None:
+    """Bytes the process has read and written through any file, pipe or socket
+    (/proc/<pid>/io's rchar + wchar); None where it cannot be read."""
+    try:
+        io = p.io_counters()
+    except (psutil.Error, AttributeError, OSError):
+        return None
+    chars = getattr(io, "read_chars", None), getattr(io, "write_chars", None)
+    return None if None in chars else int(chars[0]) + int(chars[1])  # type: ignore[arg-type]
