@@ -103,3 +103,34 @@ def test_ranks_that_finished_while_their_launcher_lingers_are_no_stall(ws: Works
     assert ws.incidents() == [], out
     assert ws.transitions()[-1] == "exited", out
     assert "stall" not in out, out
+
+
+def test_a_rank_wedged_in_its_own_code_without_the_client_is_named_by_its_stacks(
+        ws: Workspace) -> None:
+    """No beats, default settings: rank 1 sleeps in its own code after step 40 (a
+    dead file system, a deadlock: idle, not stopped), rank 0 waits in the next
+    all-reduce. Every process idle, the output silent: two reads of the stacks a
+    second or more apart keep rank 1 outside any collective and rank 0 inside, so
+    rank 1 is named within seconds (it waited out the 5-minute silence), and the
+    job resumes from its checkpoint to the end."""
+    args = ["--steps", "80", "--interval", "0.05", "--ckpt-every", "20", "--print-every", "5",
+            "--sleep-rank1-at", "40"]
+    job = {"command": _ddp(ws, *args),
+           "checkpoints": {"dir": str(ws.ckpt), "pattern": "step_{step}.pt", "quiet_for": "1s"}}
+    p = ws.run(ws.config(job))
+    log = Path(ws.state) / "jobs" / "job"
+    wait_for(lambda: any("step 40 " in x.read_text(errors="replace")
+                         for x in log.rglob("attempt-0-*.log")), timeout=120,
+             what="rank 1 at step 40")
+    t0 = time.time()
+    [incident] = wait_for(lambda: ws.incidents() or None, timeout=120, what="the stall")
+    print(f"wedged rank, no client: incident {incident['time'] - t0:.1f}s after step 40")
+    rc, out = finish(p, timeout=240)
+    assert rc == 0, out
+    [incident] = ws.incidents()  # as the relaunch completed it
+    evidence = json.loads(str(incident["evidence"]))
+    assert (incident["kind"], incident["rank"]) == ("nccl_stall", 1), (incident, evidence)
+    assert evidence["decided_by"] == "stacks" and evidence["client"] is False, evidence
+    assert any("main (ddp.py)" in x for x in evidence["stack"]), evidence
+    assert incident["resumed_step"] == 40, incident
+    assert ws.transitions()[-1] == "exited"

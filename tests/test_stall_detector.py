@@ -8,6 +8,7 @@ from trainwatch.detectors.stall import (
     IDLE_IO,
     Proc,
     SilentView,
+    StackProbe,
     StallSettings,
     StallView,
     detect,
@@ -293,3 +294,39 @@ def test_a_stopped_rank_without_the_client_is_named_within_the_floor(
     if f is not None:
         assert f.kind is FaultKind.NCCL_STALL and f.evidence["decided_by"] == "process_state"
         assert f.evidence["client"] is False
+
+
+_IN = ((("all_reduce", "distributed_c10d.py"), ("main", "train.py")), True)
+_OUT = ((("load", "data.py"), ("main", "train.py")), False)
+_ELSE = ((("eval", "train.py"), ("main", "train.py")), False)
+
+
+def _probe(at: float, **ranks: tuple[tuple[tuple[str, str], ...], bool]) -> StackProbe:
+    return StackProbe(at, {int(k[1:]): v for k, v in ranks.items()})
+
+
+@pytest.mark.parametrize("probes, quiet_for, expected", [
+    ((_probe(0.0, r0=_IN, r1=_OUT), _probe(2.0, r0=_IN, r1=_OUT)), 6.0, 1),  # it waits on it
+    ((_probe(0.0, r0=_IN, r1=_OUT),), 6.0, None),  # one read: a moment, no more
+    ((_probe(0.0, r0=_IN, r1=_OUT), _probe(0.5, r0=_IN, r1=_OUT)), 6.0, None),  # too close
+    ((_probe(0.0, r0=_IN, r1=_OUT), _probe(2.0, r0=_IN, r1=_ELSE)), 6.0, None),  # it moved
+    ((_probe(0.0, r0=_OUT, r1=_IN), _probe(2.0, r0=_IN, r1=_OUT)), 6.0, None),  # not the same
+    ((_probe(0.0, r0=_IN, r1=_IN), _probe(2.0, r0=_IN, r1=_IN)), 6.0, None),  # all wait: elsewhere
+    ((_probe(0.0, r0=_OUT, r1=_OUT), _probe(2.0, r0=_OUT, r1=_OUT)), 6.0, None),  # none waits
+    ((_probe(0.0, r0=_IN, r1=_OUT, r2=_IN), _probe(2.0, r0=_IN, r1=_OUT, r2=_IN)), 6.0, 1),
+    ((_probe(0.0, r0=_IN, r1=_OUT), _probe(2.0, r0=_IN, r1=_OUT, r2=_IN)), 6.0, None),
+    ((_probe(0.0, r0=_IN, r1=_OUT), _probe(2.0, r0=_IN, r1=_OUT)), 4.0, None),  # not idle long
+], ids=["named", "one-read", "too-close", "moved", "swapped", "all-in", "all-out", "three",
+        "ranks-differ", "not-quiet"])
+def test_a_rank_that_does_nothing_while_the_others_wait_in_a_collective_is_named(
+        probes: tuple[StackProbe, ...], quiet_for: float, expected: int | None) -> None:
+    """Without the client, every process idle for the floor: two reads of the stacks,
+    a second or more apart, that keep one rank outside any collective (the same stack)
+    and every other inside one name it."""
+    ps = procs((0, "S", 0.0), (1, "S", 0.0))
+    v = SilentView(100.0, 8.0, ps, 60.0, quiet_for, {}, probes)
+    f = detect_silent("j", v, StallSettings())
+    assert (f.rank if f is not None else None) == expected
+    if f is not None:
+        assert f.kind is FaultKind.NCCL_STALL and f.evidence["decided_by"] == "stacks"
+        assert f.evidence["stack"] == ["load (data.py)", "main (train.py)"]

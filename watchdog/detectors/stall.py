@@ -25,10 +25,13 @@ This decides within seconds, from what trainwatch sees of every rank:
   store's shutdown on a loaded host), and while one has, the others are given
   until the ceiling (winding down after it, or waiting on a peer that left).
 
-``detect_silent`` is the fallback for a job without the client: output silent
-for ``silence``, and every process idle (or stopped) at each sample since the
-sampling began, half of it in. Here and above, a process in R (running, or
-runnable and waiting for a core) is busy, never idle, whatever its CPU rate says.
+``detect_silent`` is the fallback for a job without the client: one rank
+stopped (T) for the floor; or every process idle for the floor while the stacks,
+read twice, keep one rank outside any collective and the others inside one (the
+others wait for it); else output silent for ``silence``, and every process idle
+(or stopped) at each sample since the sampling began, half of it in. Here and
+above, a process in R (running, or runnable and waiting for a core), or moving
+``IDLE_IO`` bytes a second, is busy, never idle, whatever its CPU rate says.
 """
 
 from __future__ import annotations
@@ -80,6 +83,19 @@ class StallView:
     ended: frozenset[int] = frozenset()  # ranks whose process is gone (or a zombie)
 
 
+# A rank's main-thread stack as detectors/stacks.py reduces it: (function, file)
+# innermost first, and whether it is inside a collective.
+Stack = tuple[tuple[tuple[str, str], ...], bool]
+
+
+@dataclass(frozen=True)
+class StackProbe:
+    """The ranks' stacks read at one moment (watch/stackprobe.py), by rank."""
+
+    at: float
+    ranks: Mapping[int, Stack]
+
+
 @dataclass(frozen=True)
 class SilentView:
     """A job without the client: its processes and its output."""
@@ -91,6 +107,8 @@ class SilentView:
     quiet_for: float  # every process idle or stopped at each sample this long (stallwatch.py)
     # Seconds each rank's process has been stopped (T) at every sample (stallwatch.py).
     stopped_for: Mapping[int, float] = field(default_factory=dict)
+    # The ranks' stacks, oldest first, read in this quiet stretch (stackprobe.py).
+    probes: tuple[StackProbe, ...] = ()
 
 
 def stall_timeout(p99: float | None, s: StallSettings) -> float:
@@ -261,6 +279,39 @@ def _stopped_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
                  rank=held[0])
 
 
+PROBES_APART = 1.0  # seconds at least between the two probes that name a wedged rank
+
+
+def _wedged_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
+    """Every process idle (no CPU, no I/O) for the stall floor, the output silent
+    as long, and two probes of the stacks a second apart or more in which one
+    rank stays outside any collective, its stack the same, while every other
+    rank stays inside one: the others wait for it, and it does nothing (a
+    deadlock, a wait on a data loader that died). A rank that works (an
+    evaluation, a checkpoint write) is busy: the quiet stretch keeps it out."""
+    if len(v.probes) < 2 or v.silent_for is None or min(v.silent_for, v.quiet_for) < s.floor:
+        return None
+    a, b = v.probes[-2], v.probes[-1]
+    if b.at - a.at < PROBES_APART or set(a.ranks) != set(b.ranks) or len(b.ranks) < 2:
+        return None
+    out = [r for r in sorted(b.ranks) if not b.ranks[r][1]]
+    if len(out) != 1 or [r for r in sorted(a.ranks) if not a.ranks[r][1]] != out \
+            or a.ranks[out[0]][0] != b.ranks[out[0]][0]:
+        return None
+    rank = out[0]
+    evidence: dict[str, object] = {
+        "silent_for_s": round(v.silent_for, 3),
+        "quiet_for_s": round(v.quiet_for, 3),
+        "decided_by": "stacks",
+        "stack": [f"{fn} ({where})"[:200] for fn, where in b.ranks[rank][0][:8]],
+        "probes_s": round(b.at - a.at, 3),
+        "processes": _procs_evidence(v.procs),
+        "client": False,
+    }
+    return Fault(FaultKind.NCCL_STALL, job, v.now - min(v.silent_for, v.quiet_for), evidence,
+                 rank=rank)
+
+
 def detect_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
     """No output for ``silence`` and no CPU from any process at every sample since
     the sampling began, half of it in (stallwatch.py): stuck. The client's absence
@@ -268,7 +319,7 @@ def detect_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
     silent start-up waiting on a stalled disk)."""
     if s.silence is None or v.silent_for is None:
         return None
-    if (stopped := _stopped_silent(job, v, s)) is not None:
+    if (stopped := _stopped_silent(job, v, s) or _wedged_silent(job, v, s)) is not None:
         return stopped
     if v.silent_for < s.silence or v.attempt_age < s.silence or not v.procs:
         return None

@@ -105,11 +105,12 @@ class Runner:
 
     def __init__(self, binary: str, targets: Sequence[tuple[int, str, str | None]],
                  folder: Path, native: bool, deadline: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, pause: bool = True) -> None:
+        """``pause`` False: never stop a process to read it (``--nonblocking`` only)."""
         self.binary, self.folder, self.deadline, self.clock = binary, folder, deadline, clock
         self.dumps: list[Dump] = []
         for pid, stem, state in targets:
-            ms = modes(state, native)
+            ms = modes(state, native) if pause else ["nonblocking"]
             d = Dump(pid, folder / f"{stem}.json", ms, native_skipped=native and "native" not in ms)
             if state is None or state in GONE:  # say so rather than ask py-spy
                 d.left, d.error = [], "process gone"
@@ -183,15 +184,19 @@ class Runner:
 
     def finish(self) -> bool:
         """Poll until every dump is done or the deadline; True when it cut some short."""
-        while True:
-            running = [d for d in self.dumps if d.proc is not None]
-            for d in running:
-                self._reap(d)
-            if not any(d.proc is not None for d in self.dumps):
-                return False
-            if self.clock() >= self.deadline:
-                break
+        while (done := self.poll()) is None:
             time.sleep(_POLL)
+        return done
+
+    def poll(self) -> bool | None:
+        """Once, without waiting: None while dumps run before the deadline; else
+        whether the deadline cut some short (those are killed)."""
+        for d in [d for d in self.dumps if d.proc is not None]:
+            self._reap(d)
+        if not any(d.proc is not None for d in self.dumps):
+            return False
+        if self.clock() < self.deadline:
+            return None
         for d in self.dumps:
             if d.proc is not None:
                 with contextlib.suppress(OSError):

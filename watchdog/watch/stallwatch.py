@@ -101,8 +101,16 @@ def _check_silent(r: Runner, now: float) -> Iterator[Finding]:
         return
     procs = w.sampler.sample(w.sampler.by_rank(a.tree.scan()))
     w.sampled = True
-    v = SilentView(now, silent_for, procs, now - a.started, w.quiet_for(now, procs),
-                   w.stopped_for(now, procs))
+    quiet, stopped = w.quiet_for(now, procs), w.stopped_for(now, procs)
+    ranks = {k: p for k, p in procs.items() if k >= 0}
+    floor = w.settings.floor
+    # Idle for the floor, none stopped (that rule needs no stacks): read the ranks' stacks.
+    if min(quiet, silent_for) >= floor and not any(p.state in "Tt" for p in ranks.values()):
+        w.prober.tick({k: p.pid for k, p in ranks.items()}, {k: p.state for k, p in ranks.items()})
+    else:
+        w.prober.reset()
+    v = SilentView(now, silent_for, procs, now - a.started, quiet, stopped,
+                   tuple(w.prober.probes))
     fault = stall.detect_silent(r.job.name, v, w.settings)
     if fault is not None:
         yield from _found(r, fault)

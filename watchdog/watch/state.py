@@ -25,6 +25,7 @@ from trainwatch.evidence import series
 from trainwatch.sources.procs import Sampler
 from trainwatch.sources.rankexits import RankExits
 from trainwatch.types import Beat, Fault
+from trainwatch.watch.stackprobe import Prober
 
 
 def _finite(x: float | None) -> bool:
@@ -153,6 +154,7 @@ class StallWatch:
         self.quiet_since: float | None = None
         self.sampled_at: float | None = None
         self.stopped_since: dict[int, float] = {}  # rank -> stopped (T) at each sample since
+        self.prober = Prober()  # the ranks' stacks in a quiet stretch
 
     def new_attempt(self, settings: StallSettings) -> None:
         self.settings, self.sampler, self.sampled = settings, Sampler(), False
@@ -163,6 +165,7 @@ class StallWatch:
         """The job spoke (or a new attempt began): no quiet stretch yet."""
         self.quiet_since = self.sampled_at = None
         self.stopped_since = {}
+        self.prober.reset()
 
     def quiet_for(self, now: float, procs: dict[int, Proc]) -> float:
         """Seconds every process has been idle or stopped, as of this sample. A
