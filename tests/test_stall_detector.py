@@ -330,3 +330,14 @@ def test_a_rank_that_does_nothing_while_the_others_wait_in_a_collective_is_named
     if f is not None:
         assert f.kind is FaultKind.NCCL_STALL and f.evidence["decided_by"] == "stacks"
         assert f.evidence["stack"] == ["load (data.py)", "main (train.py)"]
+
+
+def test_a_rank_whose_gpu_works_is_not_named_by_its_stacks() -> None:
+    """Its CPU idle outside any collective, but its GPU busy at the last poll: an
+    evaluation waiting on its kernels (blocking sync), not a wedged rank."""
+    probes = (_probe(0.0, r0=_IN, r1=_OUT), _probe(2.0, r0=_IN, r1=_OUT))
+    ps = procs((0, "S", 0.0), (1, "S", 0.0))
+    busy = SilentView(100.0, 8.0, ps, 60.0, 6.0, {}, probes, frozenset({1}))
+    assert detect_silent("j", busy, StallSettings()) is None
+    idle = SilentView(100.0, 8.0, ps, 60.0, 6.0, {}, probes, frozenset({0}))
+    assert detect_silent("j", idle, StallSettings()) is not None

@@ -109,6 +109,8 @@ class SilentView:
     stopped_for: Mapping[int, float] = field(default_factory=dict)
     # The ranks' stacks, oldest first, read in this quiet stretch (stackprobe.py).
     probes: tuple[StackProbe, ...] = ()
+    # Ranks whose GPU was busy at its last poll: a kernel runs while the CPU waits.
+    gpu_busy: frozenset[int] = frozenset()
 
 
 def stall_timeout(p99: float | None, s: StallSettings) -> float:
@@ -288,7 +290,8 @@ def _wedged_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
     rank stays outside any collective, its stack the same, while every other
     rank stays inside one: the others wait for it, and it does nothing (a
     deadlock, a wait on a data loader that died). A rank that works (an
-    evaluation, a checkpoint write) is busy: the quiet stretch keeps it out."""
+    evaluation, a checkpoint write) is busy: the quiet stretch keeps it out; so
+    does its GPU's utilisation, where trainwatch polls it."""
     if len(v.probes) < 2 or v.silent_for is None or min(v.silent_for, v.quiet_for) < s.floor:
         return None
     a, b = v.probes[-2], v.probes[-1]
@@ -299,6 +302,8 @@ def _wedged_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
             or a.ranks[out[0]][0] != b.ranks[out[0]][0]:
         return None
     rank = out[0]
+    if rank in v.gpu_busy:  # its GPU works (an evaluation waiting on its kernels)
+        return None
     evidence: dict[str, object] = {
         "silent_for_s": round(v.silent_for, 3),
         "quiet_for_s": round(v.quiet_for, 3),

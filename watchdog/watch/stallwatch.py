@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 _SAMPLE_AFTER = 1.0  # no rank advanced this long: sample the processes (for CPU rates)
 _MIN_SAMPLES = 20  # step intervals before the stall timeout is learned
+GPU_BUSY = 0.05  # utilisation from which a rank's GPU is working
 
 
 def _view(r: Runner, now: float, sample: bool) -> StallView:
@@ -109,8 +110,11 @@ def _check_silent(r: Runner, now: float) -> Iterator[Finding]:
         w.prober.tick({k: p.pid for k, p in ranks.items()}, {k: p.state for k, p in ranks.items()})
     else:
         w.prober.reset()
+    util, gpus = _gpu_utilization(r), a.gpus
+    busy = frozenset(k for k in ranks if gpus and util.get(str(gpus[k % len(gpus)]), 0.0)
+                     >= GPU_BUSY)
     v = SilentView(now, silent_for, procs, now - a.started, quiet, stopped,
-                   tuple(w.prober.probes))
+                   tuple(w.prober.probes), busy)
     fault = stall.detect_silent(r.job.name, v, w.settings)
     if fault is not None:
         yield from _found(r, fault)
