@@ -154,3 +154,10 @@ def test_a_stopped_rank_on_the_host_never_told_resumes_from_the_newest_checkpoin
     after the stall timeout (the default settings: the heartbeat's is 300 s), and
     decides from A's reports."""
     _drill(tmp_path, "hA", signal.SIGSTOP)
+
+
+def test_a_stopped_rank_on_the_host_told_resumes_from_the_newest_checkpoint(
+        tmp_path: Path) -> None:
+    """Reports to host B, SIGSTOP on host B: B names its one rank and decides from its
+    own reports; host A, whose rank waits in the all-reduce, names no one first."""
+    _drill(tmp_path, "hB", signal.SIGSTOP)

@@ -115,7 +115,9 @@ def unbelieved(r: Runner, rec: records.Restart) -> str | None:
     for turn in range(3):  # as listed; listed again; with what the other hosts were told
         if turn == 2 and not known.gather(r, None):
             break
-        listed = r.catalog.known() if turn != 1 else r.catalog.entries()
+        # Listed again after the claims: a claim taken is judged at the next listing
+        # (a host that followed with its reports taken still found step 40 unsettled).
+        listed = r.catalog.known() if turn == 0 else r.catalog.entries()
         e = next((e for e in listed if e.step == step and e.path == path), None)
         if e is not None and e.good:
             return None
