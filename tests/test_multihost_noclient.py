@@ -28,6 +28,18 @@ _NO_CLIENT = (_TRAINER.replace("hb = connect()\n", "")
 
 def test_a_stopped_rank_of_a_job_across_hosts_without_the_client_is_named_by_its_host(
         tmp_path: Path) -> None:
+    _drill(tmp_path, stop=True)
+
+
+def test_a_wedged_rank_of_a_job_across_hosts_without_the_client_is_named_by_its_host(
+        tmp_path: Path) -> None:
+    """Host B's rank sleeps in its own code (idle, not stopped), host A's waits in the
+    all-reduce: B reads its rank's stacks outside any collective, A's read (shared
+    beside the group's records) is inside one, so B names its rank."""
+    _drill(tmp_path, stop=False)
+
+
+def _drill(tmp_path: Path, stop: bool) -> None:
     assert "hb." not in _NO_CLIENT
     ckpt, journal = tmp_path / "ckpt", tmp_path / "journal.jsonl"
     ckpt.mkdir()
@@ -52,7 +64,8 @@ def test_a_stopped_rank_of_a_job_across_hosts_without_the_client_is_named_by_its
         paused = tmp_path / "paused"
         wait_for(lambda: paused.exists(), timeout=120, what=f"host B's rank at step {KILL_AT}")
         victim = int(paused.read_text())
-        os.kill(victim, signal.SIGSTOP)
+        if stop:
+            os.kill(victim, signal.SIGSTOP)
         t0, w0 = time.monotonic(), time.time()
         [inc] = wait_for(lambda: hosts[1].incidents() or None, timeout=120,
                          what="host B's incident")
@@ -74,12 +87,13 @@ def test_a_stopped_rank_of_a_job_across_hosts_without_the_client_is_named_by_its
     rank = next(e["rank"] for e in runs if e["pid"] == victim)  # as the rendezvous gave it
     ev = json.loads(inc["evidence"])
     assert (inc["kind"], inc["rank"], ev.get("decided_by"), ev.get("client")) == \
-        ("nccl_stall", rank, "process_state", False), (inc, ev, *story)
+        ("nccl_stall", rank, "process_state" if stop else "stacks", False), (inc, ev, *story)
     for ws in hosts:
         evs = [json.loads(i["evidence"]) for i in ws.incidents()]
         assert {e.get("group_restart") for e in evs} == {1}, (ws.root.name, evs, *story)
         # Host B decided, and the restart began at its rank: the right host first.
         assert {(e.get("decided_on"), e.get("began")) for e in evs} == \
             {("hB", f"hB rank {rank}")}, (ws.root.name, evs, *story)
-    print(f"no client, SIGSTOP on hB: named {named:.1f}s, back in {back:.1f}s "
+    print(f"no client, {'SIGSTOP' if stop else 'wedged'} on hB: named {named:.1f}s, "
+          f"back in {back:.1f}s "
           f"from step {starts[2]}")

@@ -341,3 +341,17 @@ def test_a_rank_whose_gpu_works_is_not_named_by_its_stacks() -> None:
     assert detect_silent("j", busy, StallSettings()) is None
     idle = SilentView(100.0, 8.0, ps, 60.0, 6.0, {}, probes, frozenset({0}))
     assert detect_silent("j", idle, StallSettings()) is not None
+
+
+@pytest.mark.parametrize("peers, expected", [
+    ({0: True}, 1),  # the other host's rank waits in a collective: this host's is named
+    ({0: True, 2: True}, 1),
+    ({0: True, 2: False}, None),  # another host's rank is outside too: not this one's alone
+    ({}, None),  # nothing to compare with
+])
+def test_a_hosts_one_idle_rank_is_named_when_the_other_hosts_ranks_wait(
+        peers: dict[int, bool], expected: int | None) -> None:
+    probes = (_probe(0.0, r1=_OUT), _probe(2.0, r1=_OUT))
+    v = SilentView(100.0, 8.0, procs((1, "S", 0.0)), 60.0, 6.0, {}, probes, frozenset(), peers)
+    f = detect_silent("j", v, StallSettings())
+    assert (f.rank if f is not None else None) == expected

@@ -111,6 +111,8 @@ class SilentView:
     probes: tuple[StackProbe, ...] = ()
     # Ranks whose GPU was busy at its last poll: a kernel runs while the CPU waits.
     gpu_busy: frozenset[int] = frozenset()
+    # Other hosts' ranks, as their hosts last read them: inside a collective or not.
+    peers: Mapping[int, bool] = field(default_factory=dict)
 
 
 def stall_timeout(p99: float | None, s: StallSettings) -> float:
@@ -288,14 +290,16 @@ def _wedged_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
     """Every process idle (no CPU, no I/O) for the stall floor, the output silent
     as long, and two probes of the stacks a second apart or more in which one
     rank stays outside any collective, its stack the same, while every other
-    rank stays inside one: the others wait for it, and it does nothing (a
+    rank, here or on the other hosts (``peers``), stays inside one: the others
+    wait for it, and it does nothing (a
     deadlock, a wait on a data loader that died). A rank that works (an
     evaluation, a checkpoint write) is busy: the quiet stretch keeps it out; so
     does its GPU's utilisation, where trainwatch polls it."""
     if len(v.probes) < 2 or v.silent_for is None or min(v.silent_for, v.quiet_for) < s.floor:
         return None
     a, b = v.probes[-2], v.probes[-1]
-    if b.at - a.at < PROBES_APART or set(a.ranks) != set(b.ranks) or len(b.ranks) < 2:
+    if b.at - a.at < PROBES_APART or set(a.ranks) != set(b.ranks) \
+            or len(b.ranks) + len(v.peers) < 2 or not all(v.peers.values()):
         return None
     out = [r for r in sorted(b.ranks) if not b.ranks[r][1]]
     if len(out) != 1 or [r for r in sorted(a.ranks) if not a.ranks[r][1]] != out \
@@ -310,6 +314,7 @@ def _wedged_silent(job: str, v: SilentView, s: StallSettings) -> Fault | None:
         "decided_by": "stacks",
         "stack": [f"{fn} ({where})"[:200] for fn, where in b.ranks[rank][0][:8]],
         "probes_s": round(b.at - a.at, 3),
+        **({"peers_inside": sorted(v.peers)} if v.peers else {}),
         "processes": _procs_evidence(v.procs),
         "client": False,
     }

@@ -50,6 +50,10 @@ class Engine(Protocol):
         """The job reported a checkpoint new to this host: the engine's other hosts
         are told (multihost/known.py), if it has any."""
 
+    def probed(self, r: Runner, ranks: Mapping[int, bool]) -> Mapping[int, bool]:
+        """This host read its silent ranks' stacks (rank -> inside a collective): the
+        other hosts are told, and their ranks' last read comes back (probeshare.py)."""
+
     # --- a decided fault -------------------------------------------------------
     def short_of_gpus(self, r: Runner, fault: Fault, incident: int | None, fatal: bool,
                       capture: Capture | None) -> bool:

@@ -44,6 +44,9 @@ class Local:
     def reported(self, r: Runner) -> None:
         return None
 
+    def probed(self, r: Runner, ranks: Mapping[int, bool]) -> Mapping[int, bool]:
+        return {}
+
     def short_of_gpus(self, r: Runner, fault: Fault, incident: int | None, fatal: bool,
                       capture: Capture | None) -> bool:
         left = r.gpus() or []

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from trainwatch.actions import stop as stopping
 from trainwatch.config import torchrun
 from trainwatch.local.engine import Local
-from trainwatch.multihost import group, known, leave
+from trainwatch.multihost import group, known, leave, probeshare
 from trainwatch.types import JobState
 
 if TYPE_CHECKING:
@@ -46,6 +46,9 @@ class Torchrun(Local):
     def reported(self, r: Runner) -> None:
         if r.group is not None:
             known.share(r, None)
+
+    def probed(self, r: Runner, ranks: Mapping[int, bool]) -> Mapping[int, bool]:
+        return probeshare.exchange(r, ranks)
 
     def short_of_gpus(self, r: Runner, fault: Fault, incident: int | None, fatal: bool,
                       capture: Capture | None) -> bool:

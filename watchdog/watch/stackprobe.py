@@ -40,6 +40,7 @@ class Prober:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.probes: deque[StackProbe] = deque(maxlen=2)
+        self.peers: dict[int, bool] = {}  # other hosts' ranks, read last (probeshare.py)
         self._runner: pyspy.Runner | None = None
         self._folder: str | None = None
         self._ranks: dict[int, str] = {}  # rank -> its dump's file stem, this probe
@@ -47,27 +48,33 @@ class Prober:
         self._binary = pyspy.find()
         self._said = False
 
+    @property
+    def running(self) -> bool:
+        """A probe's dumps are under way."""
+        return self._runner is not None
+
     def reset(self) -> None:
         """The stretch ended (a process busy, the output spoke, a new attempt)."""
         self.probes.clear()
+        self.peers = {}
         self._stop()
 
-    def tick(self, pids: Mapping[int, int], states: Mapping[int, str]) -> None:
-        """Collect a probe done; start the next one when due. ``pids``: rank -> pid."""
-        now = self.clock()
+    def tick(self, pids: Mapping[int, int], states: Mapping[int, str]) -> StackProbe | None:
+        """Collect a probe done (returned); start the next one when due. ``pids``:
+        rank -> pid."""
+        now, got = self.clock(), None
         if self._runner is not None:
-            done = self._runner.poll()
-            if done is None:
-                return
-            self._collect(now)
+            if self._runner.poll() is None:
+                return None
+            got = self._collect()
         if self._binary is None:
             if not self._said:
                 self._said = True
                 log.info("py-spy not found: a silent job's idle rank is named by its stacks "
                          "only with the pyspy extra")
-            return
-        if len(pids) < 2 or (self.probes and now - self._started < EVERY):
-            return
+            return got
+        if not pids or (self.probes and now - self._started < EVERY):
+            return got
         self._folder = tempfile.mkdtemp(prefix="trainwatch-probe-")
         self._ranks = {rank: f"rank{rank}" for rank in pids}
         targets = [(pid, f"rank{rank}", states.get(rank)) for rank, pid in pids.items()]
@@ -75,8 +82,9 @@ class Prober:
                                     now + DEADLINE, self.clock, pause=False)
         self._started = now
         self._runner.start()
+        return got
 
-    def _collect(self, now: float) -> None:
+    def _collect(self) -> StackProbe | None:
         assert self._folder is not None
         got: dict[int, Stack] = {}
         for rank, stem in self._ranks.items():
@@ -84,8 +92,10 @@ class Prober:
             if threads is not None:
                 got[rank] = (stacks.signature(threads), stacks.in_collective(threads))
         self._stop()
-        if len(got) == len(self._ranks):  # a rank unread is no evidence: not kept
-            self.probes.append(StackProbe(self._started, got))
+        if len(got) != len(self._ranks):  # a rank unread is no evidence: not kept
+            return None
+        self.probes.append(probe := StackProbe(self._started, got))
+        return probe
 
     def _stop(self) -> None:
         if self._runner is not None:

@@ -50,8 +50,9 @@ def _newest_advance(r: Runner) -> float | None:
 def deadline(r: Runner, now: float) -> float | None:
     """When a stall could next be decided (for the loop's sleep)."""
     w = r.stall
-    if not r.ranks.beaten:
-        return now + 1.0 if w.settings.silence is not None else None
+    if not r.ranks.beaten:  # a probe of the stacks is collected as soon as it is done
+        return now + (0.05 if w.prober.running else 1.0) if w.settings.silence is not None \
+            else None
     newest = _newest_advance(r)
     if newest is None:
         return None
@@ -105,16 +106,21 @@ def _check_silent(r: Runner, now: float) -> Iterator[Finding]:
     quiet, stopped = w.quiet_for(now, procs), w.stopped_for(now, procs)
     ranks = {k: p for k, p in procs.items() if k >= 0}
     floor = w.settings.floor
-    # Idle for the floor, none stopped (that rule needs no stacks): read the ranks' stacks.
-    if min(quiet, silent_for) >= floor and not any(p.state in "Tt" for p in ranks.values()):
-        w.prober.tick({k: p.pid for k, p in ranks.items()}, {k: p.state for k, p in ranks.items()})
+    # Idle for the floor, none stopped (that rule needs no stacks): read the ranks'
+    # stacks, where there are others to compare with, here or on other hosts.
+    if min(quiet, silent_for) >= floor and not any(p.state in "Tt" for p in ranks.values()) \
+            and (len(ranks) >= 2 or (ranks and r.group is not None)):
+        probe = w.prober.tick({k: p.pid for k, p in ranks.items()},
+                              {k: p.state for k, p in ranks.items()})
+        if probe is not None:  # the other hosts' ranks may be the ones waiting
+            w.prober.peers = dict(r.engine.probed(r, {k: s[1] for k, s in probe.ranks.items()}))
     else:
         w.prober.reset()
     util, gpus = _gpu_utilization(r), a.gpus
     busy = frozenset(k for k in ranks if gpus and util.get(str(gpus[k % len(gpus)]), 0.0)
                      >= GPU_BUSY)
     v = SilentView(now, silent_for, procs, now - a.started, quiet, stopped,
-                   tuple(w.prober.probes), busy)
+                   tuple(w.prober.probes), busy, w.prober.peers)
     fault = stall.detect_silent(r.job.name, v, w.settings)
     if fault is not None:
         yield from _found(r, fault)
