@@ -82,18 +82,18 @@ def _reported(ws: Workspace) -> dict[str, str]:
         return {}
 
 
-def _drill(tmp_path: Path, report_on: str, sig: signal.Signals, **job: object) -> None:
-    """``sig`` to host B's rank at step KILL_AT, with step KILL_AT // EVERY * EVERY
-    reported to ``report_on``'s host: every rank resumes from that step."""
+def two_hosts(tmp_path: Path, trainer: str, report_on: str, **job: object) -> list[Workspace]:
+    """``trainer`` run as one torchrun job of two hosts, hA and hB (one trainwatch
+    each, one rank each), writing tmp_path/ckpt and tmp_path/journal.jsonl."""
     ckpt, journal = tmp_path / "ckpt", tmp_path / "journal.jsonl"
     ckpt.mkdir()
     script = tmp_path / "trainer.py"
-    script.write_text(_TRAINER)
-    port = free_port()
+    script.write_text(trainer)
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=tw-known", "--monitor-interval=0.1", str(script), str(ckpt),
-               str(journal), str(STEPS), str(EVERY)]
+               "--nproc-per-node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=tw-known",
+               "--monitor-interval=0.1", str(script), str(ckpt), str(journal), str(STEPS),
+               str(EVERY)]
     hosts = []
     for name in ("hA", "hB"):
         ws = Workspace(tmp_path / name)
@@ -103,6 +103,14 @@ def _drill(tmp_path: Path, report_on: str, sig: signal.Signals, **job: object) -
                           "env": {"REPORT_ON": report_on, "PAUSE_AT": str(KILL_AT)},
                           "checkpoints": {"dir": str(ckpt), "pattern": "step_{step}"}, **job},
                          host=name))
+    return hosts
+
+
+def _drill(tmp_path: Path, report_on: str, sig: signal.Signals, **job: object) -> None:
+    """``sig`` to host B's rank at step KILL_AT, with step KILL_AT // EVERY * EVERY
+    reported to ``report_on``'s host: every rank resumes from that step."""
+    journal = tmp_path / "journal.jsonl"
+    hosts = two_hosts(tmp_path, _TRAINER, report_on, **job)
     told = hosts[0 if report_on == "hA" else 1]
     newest = KILL_AT // EVERY * EVERY
     try:

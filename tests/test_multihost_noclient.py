@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
-from conftest import Workspace, free_port, wait_for
+from conftest import wait_for
 from test_multihost_group import _journal, _stop
-from test_multihost_known import _TRAINER, EVERY, KILL_AT, STEPS
+from test_multihost_known import _TRAINER, EVERY, KILL_AT, two_hosts
 
 # The same trainer, never connected: no beats, no reports.
 _NO_CLIENT = (_TRAINER.replace("hb = connect()\n", "")
@@ -41,24 +40,8 @@ def test_a_wedged_rank_of_a_job_across_hosts_without_the_client_is_named_by_its_
 
 def _drill(tmp_path: Path, stop: bool) -> None:
     assert "hb." not in _NO_CLIENT
-    ckpt, journal = tmp_path / "ckpt", tmp_path / "journal.jsonl"
-    ckpt.mkdir()
-    script = tmp_path / "trainer.py"
-    script.write_text(_NO_CLIENT)
-    port = free_port()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-               "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=tw-noclient", "--monitor-interval=0.1", str(script), str(ckpt),
-               str(journal), str(STEPS), str(EVERY)]
-    hosts = []
-    for name in ("hA", "hB"):
-        ws = Workspace(tmp_path / name)
-        ws.root.mkdir()
-        hosts.append(ws)
-        ws.run(ws.config({"command": command, "nodes": 2, "resume_args": [],
-                          "env": {"REPORT_ON": "hA", "PAUSE_AT": str(KILL_AT)},
-                          "checkpoints": {"dir": str(ckpt), "pattern": "step_{step}"}},
-                         host=name))
+    journal = tmp_path / "journal.jsonl"
+    hosts = two_hosts(tmp_path, _NO_CLIENT, "hA")
     newest = KILL_AT // EVERY * EVERY
     try:
         paused = tmp_path / "paused"

@@ -103,7 +103,8 @@ WRITER = ("import sys, time\nf = open('/dev/null', 'wb', buffering=0)\nsys.stdou
 
 def test_a_process_writing_at_little_cpu_moves_bytes_and_a_sleeper_none() -> None:
     """The sampler's I/O rate (rchar + wchar), which makes a writer working for the
-    silence rule whatever its CPU (tests/test_stall_detector.py)."""
+    silence rule whatever its CPU (tests/test_stall_detector.py); a launcher's is
+    not asked (torchrun's agent reads 66 KB/s while its workers are stuck)."""
     writer = subprocess.Popen([sys.executable, "-c", WRITER], stdout=subprocess.PIPE)
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
@@ -120,6 +121,12 @@ def test_a_process_writing_at_little_cpu_moves_bytes_and_a_sleeper_none() -> Non
 
         got = wait_for(rates, timeout=30, what="the writer's I/O rate")
         assert got[1] == 0.0, got
+        # Beside ranks, a process that is none (a launcher) is not judged by its I/O.
+        beside = {1: sleeper.pid, -writer.pid: writer.pid}
+        now[0] += 1.0
+        s.sample(beside)
+        now[0] += 1.0
+        assert {k: p.io_rate for k, p in s.sample(beside).items()} == {1: 0.0, -writer.pid: None}
     finally:
         for p in (writer, sleeper):
             p.kill()

@@ -53,13 +53,19 @@ def share_in_hand(root: str, host: str, reported: dict[str, str],
 
 def others_in_hand(root: str, host: str, scope: str | None = None) -> list[dict[str, Any]]:
     """Every other host's file, each bounded as records.read bounds one."""
-    base, out = records.folder(root, scope), list[dict[str, Any]]()
+    return others(records.folder(root, scope), _KNOWN, host)
+
+
+def others(base: str, name: re.Pattern[str], host: str) -> list[dict[str, Any]]:
+    """The files in ``base`` whose name is ``name`` (its group: the host's name) of
+    every host but ``host``: at most MAX_HOSTS of the first records.MAX_NAMES."""
+    out: list[dict[str, Any]] = []
     try:
         with os.scandir(base) as it:
             for i, e in enumerate(it):
                 if i >= records.MAX_NAMES or len(out) >= MAX_HOSTS:
                     break
-                m = _KNOWN.fullmatch(e.name)
+                m = name.fullmatch(e.name)
                 if m and m.group(1) != host and (body := records.read(e.path)) is not None:
                     out.append(body)
     except OSError:

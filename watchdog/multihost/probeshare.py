@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from trainwatch.multihost import records
+from trainwatch.multihost import known, records
 
 if TYPE_CHECKING:
     from trainwatch.lifecycle.runner import Runner
@@ -38,18 +38,7 @@ def exchange_in_hand(root: str, host: str, ranks: dict[str, bool]) -> list[dict[
     base = records.folder(root)
     os.makedirs(base, mode=0o755, exist_ok=True)
     records.write(base, f"probe-{host}.json", {"host": host, "at": time.time(), "ranks": ranks})
-    out: list[dict[str, Any]] = []
-    try:
-        with os.scandir(base) as it:
-            for i, e in enumerate(it):
-                if i >= records.MAX_NAMES:
-                    break
-                m = _PROBE.fullmatch(e.name)
-                if m and m.group(1) != host and (body := records.read(e.path)) is not None:
-                    out.append(body)
-    except OSError:
-        pass
-    return out
+    return known.others(base, _PROBE, host)
 
 
 def peers(raw: object, now: float, own: Mapping[int, bool]) -> dict[int, bool]:

@@ -38,9 +38,13 @@ class Sampler:
         self.no_rank: dict[int, tuple[float, int]] = {}  # pid -> (ask again at, asked)
 
     def sample(self, pids: Mapping[int, int]) -> dict[int, Proc]:
-        """``pids``: key (a rank) -> pid. A process that is gone is left out."""
+        """``pids``: key (a rank, or a negated pid) -> pid. A process that is gone
+        is left out. The I/O of a process that is not a rank is left unknown where
+        ranks are sampled with it: torchrun's agent reads 66 KB/s of /proc and its
+        store while its workers are stuck, and it never saves a checkpoint."""
         now = self.clock()
         out: dict[int, Proc] = {}
+        ranked = any(k >= 0 for k in pids)
         seen: dict[int, tuple[float, float, float | None, int | None, float | None]] = {}
         for key, pid in pids.items():
             try:
@@ -50,7 +54,7 @@ class Sampler:
                     t = p.cpu_times()
             except psutil.Error:
                 continue
-            cpu, moved = t.user + t.system, _io_bytes(p)
+            cpu, moved = t.user + t.system, _io_bytes(p) if key >= 0 or not ranked else None
             before = self.prev.get(pid)
             rate = io_rate = None
             if before is not None and now - before[0] < _BASE_MIN:

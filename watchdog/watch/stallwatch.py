@@ -106,9 +106,11 @@ def _check_silent(r: Runner, now: float) -> Iterator[Finding]:
     quiet, stopped = w.quiet_for(now, procs), w.stopped_for(now, procs)
     ranks = {k: p for k, p in procs.items() if k >= 0}
     floor = w.settings.floor
-    # Idle for the floor, none stopped (that rule needs no stacks): read the ranks'
-    # stacks, where there are others to compare with, here or on other hosts.
-    if min(quiet, silent_for) >= floor and not any(p.state in "Tt" for p in ranks.values()) \
+    # Idle a second, none stopped (that rule needs no stacks): read the ranks' stacks,
+    # where there are others to compare with, here or on other hosts; two reads are
+    # in hand when the stretch reaches the floor, and the rule judges then.
+    if quiet >= _SAMPLE_AFTER and silent_for >= floor \
+            and not any(p.state in "Tt" for p in ranks.values()) \
             and (len(ranks) >= 2 or (ranks and r.group is not None)):
         probe = w.prober.tick({k: p.pid for k, p in ranks.items()},
                               {k: p.state for k, p in ranks.items()})
