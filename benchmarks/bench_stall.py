@@ -4,9 +4,12 @@
 just before the signal) and rank 0 blocks in its all-reduce. The figure is
 the incident's wall time minus that timestamp, with the default stall
 settings (the client beats every step of about 0.05 s: the stall timeout is
-its 5 s floor), and without the client (output silence and idle CPU,
-``stall.silence: 10s``). Also the evidence capture time the incident records
-(py-spy of both ranks before the kill) and the relaunch.
+its 5 s floor), and without the client, default settings (the stopped
+process, the output silent). Then, without the client, rank 1 wedged rather
+than stopped: it sleeps in its own code after step 60 (idle, not stopped),
+timed from its ``step 60`` line, and named by its stacks. Also the evidence
+capture time the incident records (py-spy of both ranks before the kill) and
+the relaunch.
 
 Run: ``.venv/bin/python benchmarks/bench_stall.py [--runs 5]``.
 """
@@ -50,26 +53,28 @@ def _rank_pid(tw: TrainwatchRun, rank: int, beat: bool) -> int:
     raise RuntimeError("rank 1's worker not found")
 
 
-def one(beat: bool, keep: bool) -> dict[str, Any]:
+def one(beat: bool, keep: bool, wedged: bool = False) -> dict[str, Any]:
     d = scratch_dir("twstall")
     (d / "ckpt").mkdir()
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
            str(DDP), "--ckpt-dir", str(d / "ckpt"), "--steps", "100000", "--interval", "0.05",
-           "--ckpt-every", "20", "--print-every", "5", *(["--beat"] if beat else [])]
+           "--ckpt-every", "20", "--print-every", "5", *(["--beat"] if beat else []),
+           *(["--sleep-rank1-at", "60"] if wedged else [])]
     job: dict[str, Any] = {"name": JOB_NAME, "command": cmd, "policy": "default",
                            "checkpoints": {"dir": str(d / "ckpt"), "pattern": "step_{step}.pt",
                                            "quiet_for": "1s"}}
-    if not beat:
-        job["stall"] = {"silence": "10s"}
     cfg = {"state_dir": str(d / "s"), "run_dir": str(d / "r"), "metrics": {"port": 0},
            "jobs": [job], "policies": {"default": {"kill_grace": "2s",
                                                    "backoff": {"initial": "0.2s", "jitter": 0}}}}
     (d / "tw.yaml").write_text(json.dumps(cfg))
     tw = TrainwatchRun(d, d / "tw.yaml")
     try:
-        pid = _rank_pid(tw, 1, beat)
-        t_stop = time.time()
-        os.kill(pid, signal.SIGSTOP)
+        if wedged:
+            t_stop = _line_seen(d, "[rank1]: step 60 ")
+        else:
+            pid = _rank_pid(tw, 1, beat)
+            t_stop = time.time()
+            os.kill(pid, signal.SIGSTOP)
         db = tw.ledger(timeout=30)
         deadline = time.monotonic() + 60
         row = None
@@ -93,15 +98,27 @@ def one(beat: bool, keep: bool) -> dict[str, Any]:
         remove(d, keep)
 
 
+def _line_seen(d: Path, text: str) -> float:
+    """The wall time the first attempt's output showed ``text`` (looked at every 10 ms)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for log in d.glob("s/jobs/*/logs/attempt-0-*.log"):
+            if text in log.read_text(errors="replace"):
+                return time.time()
+        time.sleep(0.01)
+    raise RuntimeError(f"no {text!r} in the output")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--keep", action="store_true")
     a = p.parse_args()
     print(machine_line())
-    for beat in (True, False):
-        rows = [one(beat, a.keep) for _ in range(a.runs)]
-        label = "with the client" if beat else "without the client (silence 10s)"
+    for beat, wedged, label in ((True, False, "with the client"),
+                                (False, False, "without the client"),
+                                (False, True, "without the client, rank 1 wedged")):
+        rows = [one(beat, a.keep, wedged) for _ in range(a.runs)]
         for r in rows:
             print("  ", json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
                                     for k, v in r.items()}))

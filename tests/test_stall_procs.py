@@ -104,7 +104,8 @@ WRITER = ("import sys, time\nf = open('/dev/null', 'wb', buffering=0)\nsys.stdou
 def test_a_process_writing_at_little_cpu_moves_bytes_and_a_sleeper_none() -> None:
     """The sampler's I/O rate (rchar + wchar), which makes a writer working for the
     silence rule whatever its CPU (tests/test_stall_detector.py); a launcher's is
-    not asked (torchrun's agent reads 66 KB/s while its workers are stuck)."""
+    not asked (torchrun's agent reads 66 KB/s while its workers are stuck), a
+    rank's child's is."""
     writer = subprocess.Popen([sys.executable, "-c", WRITER], stdout=subprocess.PIPE)
     sleeper = subprocess.Popen(["sleep", "60"])
     try:
@@ -127,6 +128,16 @@ def test_a_process_writing_at_little_cpu_moves_bytes_and_a_sleeper_none() -> Non
         s.sample(beside)
         now[0] += 1.0
         assert {k: p.io_rate for k, p in s.sample(beside).items()} == {1: 0.0, -writer.pid: None}
+        # A rank's child (a data loader's worker) is: this test's process stands for the rank.
+        kin = {0: os.getpid(), -writer.pid: writer.pid}
+        s.sample(kin)
+
+        def child() -> float | None:
+            now[0] += 1.0
+            rate = s.sample(kin)[-writer.pid].io_rate
+            return rate if (rate or 0) >= IDLE_IO else None
+
+        wait_for(child, timeout=30, what="the rank's child's I/O rate")
     finally:
         for p in (writer, sleeper):
             p.kill()

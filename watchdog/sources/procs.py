@@ -39,12 +39,13 @@ class Sampler:
 
     def sample(self, pids: Mapping[int, int]) -> dict[int, Proc]:
         """``pids``: key (a rank, or a negated pid) -> pid. A process that is gone
-        is left out. The I/O of a process that is not a rank is left unknown where
-        ranks are sampled with it: torchrun's agent reads 66 KB/s of /proc and its
-        store while its workers are stuck, and it never saves a checkpoint."""
+        is left out. Where ranks are sampled, the I/O of a process that is neither
+        one nor a rank's child (a data loader's worker) is left unknown: torchrun's
+        agent reads 66 KB/s of /proc and its store while its workers are stuck,
+        and it never saves a checkpoint."""
         now = self.clock()
         out: dict[int, Proc] = {}
-        ranked = any(k >= 0 for k in pids)
+        ranks = {pid for k, pid in pids.items() if k >= 0}
         seen: dict[int, tuple[float, float, float | None, int | None, float | None]] = {}
         for key, pid in pids.items():
             try:
@@ -52,9 +53,10 @@ class Sampler:
                 with p.oneshot():
                     state = _LETTER.get(p.status(), "?")
                     t = p.cpu_times()
+                    asked = key >= 0 or not ranks or p.ppid() in ranks
             except psutil.Error:
                 continue
-            cpu, moved = t.user + t.system, _io_bytes(p) if key >= 0 or not ranked else None
+            cpu, moved = t.user + t.system, _io_bytes(p) if asked else None
             before = self.prev.get(pid)
             rate = io_rate = None
             if before is not None and now - before[0] < _BASE_MIN:
