@@ -138,6 +138,16 @@ def _one_restart(ws: Workspace, outs: list[str]) -> None:
                for e in evs) == 1, (ws.root.name, evs)
 
 
+def back_and_done(tmp_path: Path, journal: Path, starts: int, t0: float) -> float:
+    """Seconds from ``t0`` (monotonic) until ``starts`` ranks' starts are in the
+    journal; then the run is waited for to its end (tmp_path/final.json)."""
+    wait_for(lambda: len(_journal(journal)) >= starts, timeout=120,
+             what="every rank to start again")
+    back = time.monotonic() - t0
+    wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180, what="the run to finish")
+    return back
+
+
 def _journal(path: Path) -> list[dict[str, object]]:
     if not path.exists():
         return []
@@ -159,12 +169,7 @@ def _drill(tmp_path: Path, sig: signal.Signals, kind: str, n: int = 2, steps: in
         victim, rank = next((int(e["pid"]), e["rank"])  # type: ignore[call-overload]
                             for e in _journal(journal) if e["host"] == "hB")
         os.kill(victim, sig)
-        t0 = time.monotonic()
-        wait_for(lambda: len(_journal(journal)) >= 2 * n, timeout=120,
-                 what="every rank to start again")
-        back = time.monotonic() - t0
-        wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
-                 what="the run to finish")
+        back = back_and_done(tmp_path, journal, 2 * n, time.monotonic())
     finally:
         outs = _stop(hosts)
     runs = _journal(journal)

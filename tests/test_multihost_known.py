@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from conftest import Workspace, free_port, wait_for
-from test_multihost_group import _fault_free, _journal, _stop
+from test_multihost_group import _fault_free, _journal, _stop, back_and_done
 
 STEPS = 80
 EVERY = 10
@@ -120,12 +120,7 @@ def _drill(tmp_path: Path, report_on: str, sig: signal.Signals, **job: object) -
         victim = int(paused.read_text())
         assert victim in [e["pid"] for e in _journal(journal) if e["host"] == "hB"]
         os.kill(victim, sig)
-        t0 = time.monotonic()
-        wait_for(lambda: len(_journal(journal)) >= 4, timeout=120,
-                 what="every rank to start again")
-        back = time.monotonic() - t0
-        wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
-                 what="the run to finish")
+        back = back_and_done(tmp_path, journal, 4, time.monotonic())
     finally:
         outs = _stop(hosts)
     runs = _journal(journal)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from conftest import wait_for
-from test_multihost_group import _journal, _stop
+from test_multihost_group import _journal, _stop, back_and_done
 from test_multihost_known import _TRAINER, EVERY, KILL_AT, two_hosts
 
 # The same trainer, never connected: no beats, no reports.
@@ -53,11 +53,7 @@ def _drill(tmp_path: Path, stop: bool) -> None:
         [inc] = wait_for(lambda: hosts[1].incidents() or None, timeout=120,
                          what="host B's incident")
         named = inc["time"] - w0
-        wait_for(lambda: len(_journal(journal)) >= 4, timeout=120,
-                 what="every rank to start again")
-        back = time.monotonic() - t0
-        wait_for(lambda: (tmp_path / "final.json").exists(), timeout=180,
-                 what="the run to finish")
+        back = back_and_done(tmp_path, journal, 4, t0)
     finally:
         outs = _stop(hosts)
     story = [o[-4000:] for o in outs]
