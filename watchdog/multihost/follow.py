@@ -91,6 +91,8 @@ def follow(r: Runner, a: Attempt, rec: records.Restart, now: float) -> None:
         r.begin_stop(JobState.FATAL, f"group restart {rec.gen}: {reason}")
         return
     r.outages.fault(kind.value, now, now)
+    if incident is not None and incident >= 0:
+        r.ledger.backoff_applied(incident, 0.0)  # the agent starts the new round at once
     from trainwatch.actions import evidence  # this host's ranks as they waited, too
 
     capture = evidence.start(r, fault, incident)
